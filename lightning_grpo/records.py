@@ -1,0 +1,49 @@
+"""Records that cross the process boundary between the rollout child and the trainer.
+
+Each record is a slots dataclass of ints, floats, strings and numpy arrays: torch tensors on an mp queue travel as
+shared memory the sender must keep alive, so tensors are made on the trainer side only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Messages = list[dict[str, Any]]
+
+#: Key in `RolloutSample.extras` of the payload a trainer-scored group carries (see `GRPORolloutLoop`).
+SCORE_PAYLOAD = "score_payload"
+
+
+@dataclass(slots=True)
+class RolloutSample:
+    """One training row of one rollout: token ids, which tokens train, the generator's logprobs, the advantage.
+
+    Mirrors TRL 1.16's `RolloutSample` field for field, plus what our planner and progress tracking need:
+    `truncated` (for `mask_truncated_completions`), `group_rows` (how many rows the whole group has, which differs
+    from `num_generations` when a conversation forks) and `extras` (per-sample payloads such as `SCORE_PAYLOAD`).
+    """
+
+    prompt: Messages | str
+    completion: Messages | str
+    input_ids: np.ndarray  # (T,) int64: prompt + completion tokens
+    completion_mask: np.ndarray  # (T,) int64: 1 = train this token, 0 = prompt or other context
+    old_log_probs: np.ndarray  # (T,) float32: generator logprob of each token under its sampling distribution, 0 on context
+    advantage: float  # NaN while pending (trainer-scored groups); 0.0 exactly when the group has no learning signal
+    model_version: int  # policy version the group started generating with
+    group_id: int  # scheduled group id (see `GroupSchedule`); one prompt drawn once
+    metrics: dict[str, float] = field(default_factory=dict)  # reward, reward_std, rewards/<column>, ...
+    enqueued_at: float | None = None  # wall-clock time it was put on the rollout queue
+    truncated: bool = False  # the completion hit the token limit without an EOS token
+    group_rows: int = 1  # rows in this sample's group, all sharing `group_id`
+    extras: dict[str, Any] = field(default_factory=dict)  # e.g. {SCORE_PAYLOAD: {...}} for trainer-scored groups
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return int(self.completion_mask.sum())

@@ -1,0 +1,61 @@
+"""Shared fixtures: the tiny random Llama with its in-code character tokenizer, and a process-leak check."""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from lightning_grpo.models import char_tokenizer
+
+    return char_tokenizer()
+
+
+@pytest.fixture
+def tiny_model():
+    """A fresh tiny random Llama (fp32, seed 0) per test, so tests that train it do not leak into others."""
+    from lightning_grpo.models import tiny_llama
+
+    return tiny_llama(seed=0)
+
+
+def live_children() -> list[psutil.Process]:
+    """This process's live descendants (zombies excluded)."""
+    children = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                children.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return children
+
+
+def wait_no_children(timeout: float = 10.0) -> list[psutil.Process]:
+    """Wait until no descendant process is alive; return those still alive after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = live_children()
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def no_leaked_processes():
+    """Fails the test if it leaves a child process alive (checked after the test, with a grace period)."""
+    before = {p.pid for p in live_children()}
+    yield
+    leaked = [p for p in wait_no_children() if p.pid not in before]
+    for p in leaked:
+        p.kill()
+    assert not leaked, f"processes left behind: {[(p.pid, p.name()) for p in leaked]}"
