@@ -1,3 +1,14 @@
 """Lightning callbacks for async GRPO, installed as `lightning_grpo.callbacks`."""
 
-__all__: list[str] = []
+from .progress_bar import GRPOProgressBar
+from .rollout_metrics import RolloutMetricsCallback
+from .rollout_stop import RolloutStopCallback, RolloutStreamError
+from .weight_sync import WeightSyncCallback
+
+__all__ = [
+    "GRPOProgressBar",
+    "RolloutMetricsCallback",
+    "RolloutStopCallback",
+    "RolloutStreamError",
+    "WeightSyncCallback",
+]

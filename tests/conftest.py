@@ -40,11 +40,12 @@ def live_children() -> list[psutil.Process]:
     return children
 
 
-def wait_no_children(timeout: float = 10.0) -> list[psutil.Process]:
-    """Wait until no descendant process is alive; return those still alive after `timeout` seconds."""
+def wait_no_children(timeout: float = 10.0, ignore: set[int] = frozenset()) -> list[psutil.Process]:
+    """Wait until no descendant process (other than those in `ignore`) is alive; return the ones left after
+    `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
-        alive = live_children()
+        alive = [p for p in live_children() if p.pid not in ignore]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
@@ -55,7 +56,7 @@ def no_leaked_processes():
     """Fails the test if it leaves a child process alive (checked after the test, with a grace period)."""
     before = {p.pid for p in live_children()}
     yield
-    leaked = [p for p in wait_no_children() if p.pid not in before]
+    leaked = wait_no_children(ignore=before)
     for p in leaked:
         p.kill()
     assert not leaked, f"processes left behind: {[(p.pid, p.name()) for p in leaked]}"

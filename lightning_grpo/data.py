@@ -1,0 +1,102 @@
+"""Prompt datasets: the builtin synthetic arithmetic task, local `.jsonl` / `.parquet` files, `datasets.Dataset`s
+and Hugging Face Hub datasets.
+
+Every dataset has a `prompt` column of chat messages (a plain string is wrapped as one user message) plus whatever
+columns the reward functions read (the builtin `accuracy` reward reads `answer`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from datasets import Dataset
+
+BUILTIN_DATASETS = ("arithmetic",)
+ANSWER_INSTRUCTION = "Put the final answer in \\boxed{}."
+
+
+def arithmetic_dataset(size: int = 600, seed: int = 0) -> Dataset:
+    """Synthetic arithmetic: 2-digit a+b, 1-digit a*b and 2-digit minus 1-digit, in equal shares.
+
+    Columns: `prompt` (one user message: "What is 23+19? Put the final answer in \\boxed{}."), `answer` (the
+    result as a string) and `task` (`add`, `mul` or `sub`). The same `(size, seed)` always gives the same rows.
+    """
+    if size < 1:
+        raise ValueError(f"`arithmetic_dataset(size={size})` needs at least one problem.")
+    rng = np.random.default_rng(seed)
+    rows: dict[str, list[Any]] = {"prompt": [], "answer": [], "task": []}
+    for i in range(size):
+        task = ("add", "mul", "sub")[i % 3]
+        if task == "add":
+            a, b = rng.integers(10, 100, size=2)
+            question, answer = f"{a}+{b}", a + b
+        elif task == "mul":
+            a, b = rng.integers(2, 10, size=2)
+            question, answer = f"{a}*{b}", a * b
+        else:
+            a, b = rng.integers(10, 100), rng.integers(1, 10)
+            question, answer = f"{a}-{b}", a - b
+        rows["prompt"].append([{"role": "user", "content": f"What is {question}? {ANSWER_INSTRUCTION}"}])
+        rows["answer"].append(str(int(answer)))
+        rows["task"].append(task)
+    return Dataset.from_dict(rows)
+
+
+def load_prompts(source: str | Dataset, *, size: int | None = None, seed: int = 0, split: str = "train") -> Dataset:
+    """Load a prompt dataset from a builtin name, a local file, a `datasets.Dataset` or a Hub dataset name.
+
+    Args:
+        source: `"arithmetic"` (builtin; `size` problems, default 600), a path to a `.jsonl`/`.json` or `.parquet`
+            file, a `datasets.Dataset`, or a Hub dataset name (needs network access).
+        size: number of rows to keep (the first `size`); for `"arithmetic"`, how many to generate.
+        seed: seeds the builtin generator.
+        split: the split of a Hub dataset.
+
+    Raises:
+        FileNotFoundError: a path that does not exist.
+        ValueError: an empty dataset, or a file type that is not supported.
+    """
+    if isinstance(source, Dataset):
+        dataset = source
+    elif source in BUILTIN_DATASETS:
+        return arithmetic_dataset(size or 600, seed)
+    elif _looks_like_path(source):
+        dataset = _load_file(Path(source))
+    else:
+        from datasets import load_dataset
+
+        dataset = load_dataset(source, split=split)
+    if size is not None:
+        dataset = dataset.select(range(min(size, len(dataset))))
+    if len(dataset) == 0:
+        raise ValueError(f"The prompt dataset {source!r} has no rows.")
+    return dataset
+
+
+def check_columns(dataset: Dataset, required: set[str], *, source: str = "the prompt dataset") -> None:
+    """Raise `ValueError` naming the missing columns (and the ones present) when `dataset` lacks any of `required`."""
+    missing = sorted(required - set(dataset.column_names))
+    if missing:
+        raise ValueError(
+            f"{source} has no column(s) {missing}; it has {dataset.column_names}. Every dataset needs a `prompt` "
+            "column (chat messages or a string) plus the columns your reward functions read."
+        )
+
+
+def _looks_like_path(source: str) -> bool:
+    return source.endswith((".jsonl", ".json", ".parquet")) or Path(source).exists() or "/" in source and (
+        source.startswith((".", "/", "~"))
+    )
+
+
+def _load_file(path: Path) -> Dataset:
+    path = path.expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"The prompt dataset file `{path}` does not exist.")
+    if path.suffix in (".jsonl", ".json"):
+        return Dataset.from_json(str(path))
+    if path.suffix == ".parquet":
+        return Dataset.from_parquet(str(path))
+    raise ValueError(f"`{path}` is not a .jsonl, .json or .parquet file; convert it or pass a `datasets.Dataset`.")

@@ -1,0 +1,56 @@
+"""Metric windows: values appended as they are measured, reduced to one number per key when logged.
+
+The reduction follows TRL's async GRPO, so the same names mean the same thing: a `(numerator, denominator)` pair is a
+rate (Σnum / Σden, never a mean of ratios), a `total` word in the name is a counter (producers push increments,
+summed over the window), a `max` or `min` word is an extremum, anything else is a gauge (window mean). NaN values
+are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+
+MetricValue = float | tuple[float, float]
+
+
+def reduce_metric(key: str, values: list[MetricValue]) -> float:
+    """One window of `values` logged under `key`, reduced to the number that gets logged."""
+    values = [v for v in values if isinstance(v, tuple) or not math.isnan(v)]
+    if not values:
+        return float("nan")
+    if isinstance(values[0], tuple):
+        numerator, denominator = (sum(part) for part in zip(*values, strict=True))
+        return numerator / denominator if denominator else float("nan")
+    words = key.split("/")[-1].split("_")
+    if "total" in words:
+        return float(sum(values))
+    if "max" in words:
+        return float(max(values))
+    if "min" in words:
+        return float(min(values))
+    return float(sum(values) / len(values))
+
+
+class MetricWindow:
+    """Collects metric values until `flush()` reduces and clears them. Not thread-safe: one owner thread."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[MetricValue]] = defaultdict(list)
+
+    def add(self, key: str, value: MetricValue) -> None:
+        self._values[key].append(value)
+
+    def update(self, values: Mapping[str, MetricValue | Iterable[MetricValue]]) -> None:
+        """Add a dict of values; a list value adds each of its items (a metrics sink of lists, like TRL's)."""
+        for key, value in values.items():
+            if isinstance(value, list):
+                self._values[key].extend(value)
+            else:
+                self._values[key].append(value)
+
+    def flush(self) -> dict[str, float]:
+        reduced = {key: reduce_metric(key, values) for key, values in self._values.items() if values}
+        self._values.clear()
+        return {key: value for key, value in reduced.items() if not math.isnan(value)}

@@ -1,0 +1,542 @@
+"""The rollout loop that runs in the CUDA-free child: schedule groups, generate, score, compute advantages.
+
+Everything here runs inside the child process `GRPORolloutWorker` spawns. `GRPORolloutLoop` is TRL 1.16's rollout
+loop with GRPOTrainer's reward options and parallel scoring, a finite and reproducible group schedule, paced
+admission, and an embedded CPU generator besides TRL's vLLM HTTP path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._trl import (
+    RolloutGroup,
+    TrainingSequence,
+    _AsyncRolloutLoop,
+    add_response_schema,
+    get_callable_name,
+    is_async_callable,
+)
+from .advantages import compute_group_advantages
+from .records import SCORE_PAYLOAD, RolloutSample
+from .reward_pool import RewardProcessPool
+from .rollout_worker import GRPORolloutWorker
+from .schedule import GroupSchedule
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SCORE_PAYLOAD", "GRPORolloutLoop", "GRPORolloutWorker", "RewardProcessPool", "compute_group_advantages"]
+
+#: Seconds between heartbeats while the loop idles (schedule done, or paced).
+IDLE_POLL_S = 0.05
+
+# Versions of the weights that sampled each turn of the rollout running in the current asyncio task.
+_turn_versions: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("turn_versions", default=None)
+
+
+@dataclass(slots=True)
+class _Rollout:
+    """One finished conversation of a group, as `_generate_one` returns it plus its environment reward."""
+
+    prompt: list[dict[str, Any]]
+    completion: list[dict[str, Any]]
+    completion_ids: list[int]
+    sequences: list[TrainingSequence]
+    tool_calls: int
+    tool_failures: int
+    rollout_reward: float | None
+    env_reward: tuple[type, float] | None
+    model_version: int | None  # oldest weights that sampled a turn (embedded generator); None: unknown
+
+
+class GRPORolloutLoop(_AsyncRolloutLoop):
+    """TRL's rollout loop with GRPOTrainer's reward options and parallel scoring, a finite schedule and pacing.
+
+    Scoring: a finished group is scored with every reward column (the reward functions; each environment class's
+    `get_reward`; with `_provides_rollout_reward`, one more column named `_rollout_reward_name` from
+    `_generate_one`'s reward), then `compute_group_advantages` with `reward_weights`, `multi_objective_aggregation`
+    and `scale_rewards`. Synchronous reward functions run in a `RewardProcessPool` of `reward_num_workers` processes
+    with a `reward_timeout` (so a hung or crashing reward scores NaN instead of freezing the loop); with
+    `reward_num_workers=0` they run in threads, bounded by the same timeout but able to hold the GIL. Async reward
+    functions are awaited with the timeout.
+
+    With `trainer_scored`, the trainer adds reward columns that need its device: this loop scores its own columns,
+    leaves the advantage NaN and attaches `extras[SCORE_PAYLOAD] = {"rows", "columns", "payload"}` (the group's row
+    count, the reward columns scored here and `_trainer_score_payload(group)`).
+
+    Schedule: group `g` is prompt `perm(seed, epoch)[g % N]` of epoch `g // N`, for `epochs * N` groups; ids in
+    `consumed` are skipped (exactly-once resume). After the last id the loop schedules nothing and idles with its
+    heartbeat alive.
+
+    Pacing: with `groups_per_step` set, a group is admitted only while groups admitted minus groups the trainer
+    consumed stay below `(max_staleness + 1) * groups_per_step`, so with a steady trainer no group arrives staler
+    than `max_staleness` and the trainer's stale drop stays a safety net.
+
+    Args:
+        reward_weights: one weight per reward column (reward functions, environment columns, rollout column).
+            Default: all 1.
+        multi_objective_aggregation: `"sum_then_normalize"` or `"normalize_then_sum"` (GDPO).
+        scale_rewards: `"group"`, `"batch"` or `"none"` (see `compute_group_advantages`; `"batch"` is applied by the
+            trainer, so here it centres only).
+        reward_num_workers: processes in the reward pool; 0 runs synchronous rewards in threads.
+        trainer_scored: leave advantages pending for trainer scorers.
+        reward_timeout: wall-clock seconds one reward call may take before it scores NaN.
+        generator: `None` for TRL's vLLM HTTP path, or an embedded-generator spec (see `generation.py`).
+        epochs, seed, shuffle: the group schedule.
+        consumed: group ids to skip (consumed by an earlier run).
+        groups_per_step, max_staleness: pacing; `groups_per_step=None` disables it.
+        **kwargs: TRL's `_AsyncRolloutLoop` arguments (model_name, dataset, reward_funcs, processing_class,
+            eos_token_ids, num_generations, max_inflight_tasks, max_tokens, temperature, top_p, top_k, ...).
+    """
+
+    #: Set by subclasses that score each rollout in `_generate_one` (one more reward column).
+    _provides_rollout_reward: bool = False
+    _rollout_reward_name: str = "rollout_reward"
+    #: GRPORolloutWorker passes the trainer's consumed-groups counter to loops that set this.
+    _accepts_groups_consumed = True
+
+    def __init__(
+        self,
+        *,
+        reward_weights: Iterable[float] | None = None,
+        multi_objective_aggregation: str = "sum_then_normalize",
+        scale_rewards: str = "group",
+        reward_num_workers: int = 1,
+        trainer_scored: bool = False,
+        reward_timeout: float = 60.0,
+        generator: Any = None,
+        epochs: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        consumed: Iterable[int] = (),
+        groups_per_step: int | None = None,
+        max_staleness: int = 4,
+        groups_consumed_value: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        tokenizer = kwargs["processing_class"]
+        _ensure_response_parser(tokenizer, needs_tools=bool(kwargs.get("tools") or kwargs.get("environment_factory")))
+        super().__init__(**kwargs)
+        self.reward_func_names = [*self.reward_func_names]
+        if self._provides_rollout_reward:
+            self.reward_func_names.append(self._rollout_reward_name)
+        self._weights = self._validated_weights(reward_weights)
+        self._aggregation = multi_objective_aggregation
+        self._scale_rewards = "none" if scale_rewards == "batch" else scale_rewards
+        compute_group_advantages(np.zeros((len(self._weights), 2)), self._weights, multi_objective_aggregation,
+                                 self._scale_rewards)  # fail at start-up on a bad option, not on the first group
+        self._trainer_scored = trainer_scored
+        self._reward_timeout = reward_timeout
+        self._schedule = GroupSchedule(len(self.dataset), epochs=epochs, seed=seed, shuffle=shuffle)
+        self._consumed = frozenset(consumed)
+        self._pacing_window = None if groups_per_step is None else (max_staleness + 1) * groups_per_step
+        self._groups_consumed_value = groups_consumed_value
+        self._admitted = 0
+        self._pool = self._start_reward_pool(reward_num_workers)
+        self._pool_stats_pushed: dict[str, float] = {}
+        self._generator = generator.build() if generator is not None else None
+
+    # -- set-up ------------------------------------------------------------------------------------------------------
+
+    def _validated_weights(self, reward_weights: Iterable[float] | None) -> np.ndarray:
+        names = self.reward_func_names
+        if reward_weights is None:
+            return np.ones(len(names))
+        weights = np.asarray(list(reward_weights), dtype=np.float64)
+        if weights.shape != (len(names),):
+            raise ValueError(
+                f"`reward_weights` has {weights.size} entries but there are {len(names)} reward columns {names}: "
+                "pass one weight per reward function, environment reward and rollout reward, in that order."
+            )
+        return weights
+
+    def _start_reward_pool(self, num_workers: int) -> RewardProcessPool | None:
+        if num_workers < 0:
+            raise ValueError(f"`reward_num_workers={num_workers}` must be 0 (threads) or more (processes).")
+        sync_funcs = [f for f in self.reward_funcs if not is_async_callable(f)]
+        if num_workers == 0 or not sync_funcs:
+            return None
+        return RewardProcessPool(self.reward_funcs, num_workers, timeout=self._reward_timeout)
+
+    # -- versions, pacing, schedule ----------------------------------------------------------------------------------
+
+    @property
+    def model_version(self) -> int:
+        """The version samples are tagged with: with the embedded generator, that of the weights it runs."""
+        if self._generator is not None:
+            return self._generator.applied_version
+        return int(self._model_version_value.value)
+
+    def _admissible(self) -> bool:
+        if self._pacing_window is None or self._groups_consumed_value is None:
+            return True
+        return self._admitted - int(self._groups_consumed_value.value) < self._pacing_window
+
+    def _scheduled_ids(self) -> Iterable[int]:
+        return self._schedule.group_ids(skip=self._consumed)
+
+    # -- the generate loop -------------------------------------------------------------------------------------------
+
+    async def _generate_loop(self, stop_event: asyncio.Event) -> None:
+        """Admit whole groups from the schedule while slots and pacing allow; hand finished groups to scoring.
+
+        Replaces TRL's loop, which cycles the prompts forever and admits rollouts unconditionally.
+        """
+        ids = iter(self._scheduled_ids())
+        next_id = next(ids, None)
+        inflight: dict[asyncio.Task, int] = {}
+        groups: dict[int, tuple[RolloutGroup, list[_Rollout]]] = {}
+        self._generation_start_time = time.monotonic()
+        paced_since: float | None = None
+        try:
+            while not stop_event.is_set():
+                self._heartbeat_value.value = time.time()
+                while next_id is not None and len(inflight) + self.num_generations <= self.max_inflight_tasks:
+                    if not self._admissible():
+                        paced_since = paced_since or time.monotonic()
+                        break
+                    if paced_since is not None:
+                        self._rates["rollout/pacing_wait_s"][0] += time.monotonic() - paced_since
+                        self._rates["rollout/pacing_wait_s"][1] += 1
+                        paced_since = None
+                    groups[next_id] = self._start_group(next_id, inflight)
+                    next_id = next(ids, None)
+                self._inflight = len(inflight)
+                if not inflight:
+                    await asyncio.sleep(IDLE_POLL_S)
+                    continue
+                done, _ = await asyncio.wait(inflight, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    group_id = inflight.pop(task)
+                    group, rollouts = groups[group_id]
+                    rollouts.append(task.result())  # a failed generation fails the child (reported to the trainer)
+                    if len(rollouts) == self.num_generations:
+                        del groups[group_id]
+                        if not await self._hand_to_scoring(_assemble(group, rollouts), stop_event):
+                            return
+        finally:
+            for task in inflight:
+                task.cancel()
+            if inflight:
+                await asyncio.gather(*inflight, return_exceptions=True)
+            try:
+                self._groups_to_score.put_nowait(None)
+            except asyncio.QueueFull:
+                pass
+
+    def _start_group(self, group_id: int, inflight: dict[asyncio.Task, int]) -> tuple[RolloutGroup, list[_Rollout]]:
+        row = self.dataset[self._schedule.prompt_index(group_id)]
+        group = RolloutGroup(
+            prompts=[],
+            reward_kwargs={
+                key: [row[key]] * self.num_generations
+                for key in row
+                if key not in {"prompt", "completion", "completion_ids"}
+            },
+            completions=[],
+            completions_ids=[],
+            completions_sequences=[],
+            tool_call_counts=[],
+            tool_failure_counts=[],
+            model_version=self.model_version,
+            group_id=group_id,
+            env_rewards=[],
+            rollout_rewards=[],
+        )
+        for _ in range(self.num_generations):
+            inflight[asyncio.create_task(self._rollout(row, group_id))] = group_id
+        self._admitted += 1
+        return group, []
+
+    async def _hand_to_scoring(self, group: RolloutGroup, stop_event: asyncio.Event) -> bool:
+        group.queued_at = time.monotonic()
+        blocked_since = None
+        while not stop_event.is_set():
+            try:
+                self._groups_to_score.put_nowait(group)
+            except asyncio.QueueFull:
+                blocked_since = blocked_since or time.monotonic()
+                self._heartbeat_value.value = time.time()
+                await asyncio.sleep(0.05)
+                continue
+            if blocked_since is not None:
+                self._push_metrics({"rollout/score_block_s": time.monotonic() - blocked_since})
+            return True
+        return False
+
+    async def _rollout(self, row: dict[str, Any], group_id: int) -> _Rollout:
+        """One conversation: draw and reset an environment (if any), generate, score the environment's reward."""
+        env_name = row.get("environment") if self._multi_environment else None
+        versions: list[int] = []
+        _turn_versions.set(versions)  # this task's own context: concurrent rollouts do not see it
+        environment, observation = await self._draw_environment(env_name, row)
+        try:
+            prompt = _with_observation(_prompt_of(row, environment), observation)
+            tools = self._env_tools[env_name] if self.environment_factories is not None else self.tools
+            tool_dict = {tool.__name__: tool for tool in self._standalone_tools + _env_methods(environment)}
+            completion, completion_ids, sequences, calls, failures, rollout_reward = await self._generate_one(
+                prompt, tool_dict=tool_dict, tools=tools, group_id=group_id
+            )
+            env_reward = await self._environment_reward(environment)
+        finally:
+            if environment is not None:
+                self._environment_pool[env_name].append(environment)
+        version = min(versions) if versions else None
+        return _Rollout(prompt, completion, completion_ids, sequences, calls, failures, rollout_reward, env_reward, version)
+
+    async def _draw_environment(self, name: Any, row: dict[str, Any]) -> tuple[Any, Any]:
+        if self.environment_factories is None:
+            return None, None
+        if self._multi_environment and name not in self.environment_factories:
+            raise ValueError(
+                f"Example has `environment={name!r}`, which is not among the environments passed to "
+                f"`environment_factory`. Expected one of: {list(self.environment_factories)}."
+            )
+        pool = self._environment_pool[name]
+        environment = pool.pop() if pool else self.environment_factories[name]()
+        reset_kwargs = {k: v for k, v in row.items() if k != "environment"} if self._multi_environment else row
+        loop = asyncio.get_running_loop()
+        observation = await loop.run_in_executor(self._tool_pool, functools.partial(environment.reset, **reset_kwargs))
+        return environment, observation
+
+    async def _environment_reward(self, environment: Any) -> tuple[type, float] | None:
+        if environment is None or type(environment) not in self._env_reward_types:
+            return None
+        get_reward = environment.get_reward
+        if inspect.iscoroutinefunction(get_reward):
+            reward = await get_reward()
+        else:
+            reward = await asyncio.get_running_loop().run_in_executor(self._tool_pool, get_reward)
+        return type(environment), reward
+
+    async def _generate_one(self, prompt, tool_dict, tools, group_id=0):
+        """One conversation. Without tools it is one turn, decoded as plain text (no response parser needed)."""
+        if tools:
+            return await super()._generate_one(prompt, tool_dict=tool_dict, tools=tools, group_id=group_id)
+        started = time.monotonic()
+        prompt_ids = self.tokenizer.apply_chat_template(
+            list(prompt), return_dict=False, add_generation_prompt=True, **self.chat_template_kwargs
+        )
+        ids, logprobs = await self._generate_one_turn(prompt_ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        sequences = []
+        if ids:
+            sequences.append(
+                TrainingSequence(
+                    input_ids=list(prompt_ids) + list(ids),
+                    completion_mask=[0] * len(prompt_ids) + [1] * len(ids),
+                    old_log_probs=[0.0] * len(prompt_ids) + list(logprobs),
+                    rollout_id=uuid.uuid4().hex,
+                )
+            )
+        tally = {"clean": 0.0, "realign": 0.0, "fork": 0.0, "transitions": 0.0, "drift_tokens": 0.0, "drift_max": 0.0}
+        self._push_rollout_metrics(
+            turns=1,
+            sequences=len(sequences),
+            completion_ids=list(ids),
+            tally=tally,
+            loop_exhausted=False,
+            duration_s=time.monotonic() - started,
+        )
+        return [{"role": "assistant", "content": text}], list(ids), sequences, 0, 0, None
+
+    async def _generate_one_turn(self, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+        if self._generator is None:
+            return await super()._generate_one_turn(prompt_ids)
+        output = await self._generator.generate(prompt_ids)
+        versions = _turn_versions.get()
+        if versions is not None:
+            versions.append(output.model_version)
+        return list(output.token_ids), list(output.logprobs)
+
+    # -- scoring -----------------------------------------------------------------------------------------------------
+
+    async def _score_group(self, group: RolloutGroup) -> list[RolloutSample]:
+        columns = await self._reward_columns(group)
+        rewards, advantages = compute_group_advantages(columns, self._weights, self._aggregation, self._scale_rewards)
+        if self._trainer_scored:
+            advantages = np.full_like(advantages, np.nan)
+        self._push_pool_stats()
+        return self._samples(group, columns, rewards, advantages)
+
+    async def _reward_columns(self, group: RolloutGroup) -> np.ndarray:
+        kwargs = dict(
+            completions=group.completions,
+            prompts=group.prompts,
+            completion_ids=group.completions_ids,
+            **group.reward_kwargs,
+        )
+        columns = await asyncio.gather(*(self._call_reward(i, kwargs) for i in range(len(self.reward_funcs))))
+        for env_type in self._env_reward_types:
+            columns.append([r[1] if r is not None and r[0] is env_type else None for r in group.env_rewards])
+        if self._provides_rollout_reward:
+            columns.append(list(group.rollout_rewards))
+        return np.array([[np.nan if r is None else float(r) for r in column] for column in columns], dtype=np.float64)
+
+    async def _call_reward(self, index: int, kwargs: dict[str, Any]) -> list[float | None]:
+        func = self.reward_funcs[index]
+        size = len(kwargs["completions"])
+        if self._pool is not None and not is_async_callable(func):
+            return await self._pool.score(index, **kwargs)
+        call = func(**kwargs) if is_async_callable(func) else asyncio.to_thread(func, **kwargs)
+        try:
+            result = await asyncio.wait_for(call, timeout=self._reward_timeout)
+        except TimeoutError:
+            self._counters["reward/timeouts_total"] += 1
+            log.warning("reward %s timed out after %.1f s; its rewards are NaN", get_callable_name(func),
+                        self._reward_timeout)
+            return [None] * size
+        except Exception:
+            self._counters["reward/errors_total"] += 1
+            log.exception("reward %s raised; its rewards are NaN", get_callable_name(func))
+            return [None] * size
+        if not isinstance(result, list | tuple) or len(result) != size:
+            self._counters["reward/errors_total"] += 1
+            log.error("reward %s returned %r, not one reward per completion (%d); its rewards are NaN",
+                      get_callable_name(func), result, size)
+            return [None] * size
+        return list(result)
+
+    def _push_pool_stats(self) -> None:
+        """Send the pool's counters as increments since the last push (TRL sums `*_total` metrics over pushes)."""
+        if self._pool is None:
+            return
+        stats = self._pool.stats()
+        for key, value in stats.items():
+            self._counters[key] += value - self._pool_stats_pushed.get(key, 0.0)
+        self._pool_stats_pushed = stats
+
+    def _trainer_score_payload(self, group: RolloutGroup) -> dict[str, Any]:
+        """What trainer scorers need from this group beyond its samples (override; default empty)."""
+        return {}
+
+    def _samples(
+        self, group: RolloutGroup, columns: np.ndarray, rewards: np.ndarray, advantages: np.ndarray
+    ) -> list[RolloutSample]:
+        scored = rewards[~np.isnan(rewards)]
+        reward_std = float(scored.std(ddof=1)) if scored.size > 1 else (0.0 if scored.size else float("nan"))
+        rows = sum(len(sequences) for sequences in group.completions_sequences)
+        extras = {}
+        if self._trainer_scored:
+            payload = {"rows": rows, "columns": list(self.reward_func_names), "payload": self._trainer_score_payload(group)}
+            extras[SCORE_PAYLOAD] = payload
+        eos = set(self.eos_token_ids)
+        samples = []
+        for i, sequences in enumerate(group.completions_sequences):
+            completion_ids = group.completions_ids[i]
+            metrics = {
+                "reward": float(rewards[i]),
+                "reward_std": reward_std,
+                **{f"rewards/{name}": float(columns[j, i]) for j, name in enumerate(self.reward_func_names)},
+            }
+            truncated = not completion_ids or completion_ids[-1] not in eos
+            for sequence in sequences:
+                samples.append(
+                    RolloutSample(
+                        prompt=group.prompts[i],
+                        completion=group.completions[i],
+                        input_ids=np.asarray(sequence.input_ids, dtype=np.int64),
+                        completion_mask=np.asarray(sequence.completion_mask, dtype=np.int64),
+                        old_log_probs=np.asarray(sequence.old_log_probs, dtype=np.float32),
+                        advantage=float(advantages[i]),
+                        model_version=group.model_version,
+                        group_id=group.group_id,
+                        metrics=dict(metrics),
+                        truncated=truncated,
+                        group_rows=rows,
+                        extras=dict(extras),
+                    )
+                )
+        return samples
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            if self._pool is not None:
+                self._pool.close()
+            if self._generator is not None:
+                self._generator.close()
+
+
+def _assemble(group: RolloutGroup, rollouts: list[_Rollout]) -> RolloutGroup:
+    """Fill `group` from its finished rollouts.
+
+    With the embedded generator the group's version becomes that of the oldest weights that sampled any of its
+    turns (a sync can land while a group is being generated), so staleness is never under-counted and a group tagged
+    with the new version was sampled by the new weights only. Otherwise it keeps the version at admission (TRL).
+    """
+    versions = [r.model_version for r in rollouts if r.model_version is not None]
+    if versions:
+        group.model_version = min(versions)
+    for rollout in rollouts:
+        group.prompts.append(rollout.prompt)
+        group.completions.append(rollout.completion)
+        group.completions_ids.append(rollout.completion_ids)
+        group.completions_sequences.append(rollout.sequences)
+        group.tool_call_counts.append(rollout.tool_calls)
+        group.tool_failure_counts.append(rollout.tool_failures)
+        group.rollout_rewards.append(rollout.rollout_reward)
+        group.env_rewards.append(rollout.env_reward)
+    return group
+
+
+def _prompt_of(row: dict[str, Any], environment: Any) -> list[dict[str, Any]]:
+    if "prompt" not in row and environment is not None:
+        return [{"role": "user", "content": ""}]  # the environment's observation supplies the task
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return list(prompt)
+
+
+def _with_observation(prompt: list[dict[str, Any]], observation: Any) -> list[dict[str, Any]]:
+    """Fold an environment's reset observation into the last prompt message (as GRPOTrainer does)."""
+    if observation is None:
+        return prompt
+    last = prompt[-1]
+    content = last["content"]
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    return prompt[:-1] + [{**last, "content": content + observation}]
+
+
+def _env_methods(environment: Any) -> list[Callable]:
+    if environment is None:
+        return []
+    return [
+        getattr(environment, name)
+        for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
+        if name not in ("reset", "get_reward") and not name.startswith("_")
+    ]
+
+
+def _ensure_response_parser(tokenizer: Any, needs_tools: bool) -> None:
+    """TRL's loop insists on a response parser; only tool calling needs one (plain turns are decoded as text)."""
+    if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None):
+        return
+    try:
+        add_response_schema(tokenizer)
+    except ValueError:
+        if needs_tools:
+            raise ValueError(
+                "Tool calling needs a response parser for this tokenizer's chat template, which TRL does not know. "
+                "Set `tokenizer.response_template` (see transformers' response-parsing docs)."
+            ) from None
+        # No tools: `_generate_one` never parses. A template TRL's __init__ accepts, never used.
+        tokenizer.response_template = {"fields": {"content": {"content": "text"}}}

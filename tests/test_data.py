@@ -1,0 +1,51 @@
+"""Prompt datasets: the builtin arithmetic task, local files, and clear errors for bad sources."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from datasets import Dataset
+
+from lightning_grpo.data import arithmetic_dataset, check_columns, load_prompts
+
+
+def test_arithmetic_is_reproducible_and_answers_are_right():
+    a, b = arithmetic_dataset(30, seed=3), arithmetic_dataset(30, seed=3)
+    assert a.to_dict() == b.to_dict()
+    assert arithmetic_dataset(30, seed=4).to_dict() != a.to_dict()
+    for row in a:
+        question = row["prompt"][0]["content"].split("What is ")[1].split("?")[0]
+        assert str(eval(question)) == row["answer"]  # noqa: S307 - our own generated digits and operators
+        assert "\\boxed{}" in row["prompt"][0]["content"]
+    assert {row["task"] for row in a} == {"add", "mul", "sub"}
+
+
+def test_load_builtin_by_name_with_size():
+    assert len(load_prompts("arithmetic", size=12)) == 12
+
+
+def test_load_jsonl_and_parquet(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)} for i in range(5)]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows))
+    assert load_prompts(str(jsonl))["answer"] == [str(i) for i in range(5)]
+    parquet = tmp_path / "p.parquet"
+    Dataset.from_list(rows).to_parquet(str(parquet))
+    assert len(load_prompts(str(parquet), size=3)) == 3
+
+
+def test_missing_file_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_prompts(str(tmp_path / "nope.jsonl"))
+
+
+def test_missing_column_names_it_and_lists_present_ones():
+    dataset = Dataset.from_dict({"question": ["x"]})
+    with pytest.raises(ValueError, match=r"\['answer', 'prompt'\].*\['question'\]"):
+        check_columns(dataset, {"prompt", "answer"})
+
+
+def test_empty_dataset_is_an_error():
+    with pytest.raises(ValueError, match="no rows"):
+        load_prompts(Dataset.from_dict({"prompt": []}))

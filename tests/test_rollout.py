@@ -1,0 +1,228 @@
+"""The rollout child for real: GRPORolloutWorker spawns GRPORolloutLoop with the embedded generator on the tiny model.
+
+Every test here spawns a real child process (and its reward-pool worker), generates with the tiny random Llama and
+scores with real reward functions shipped by cloudpickle; nothing is faked.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+
+from lightning_grpo.advantages import compute_group_advantages
+from lightning_grpo.generation import GeneratorSpec, PolicySpec, teacher_forced_logprobs
+from lightning_grpo.records import SCORE_PAYLOAD, RolloutSample
+from lightning_grpo.rollout import GRPORolloutWorker
+from lightning_grpo.weight_transfer import SharedMemoryWeightTransfer
+
+G = 4  # generations per group
+MAX_TOKENS = 10
+
+
+def prompts(n: int) -> Dataset:
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(n)],
+            "answer": [str(i) for i in range(n)],
+        }
+    )
+
+
+def length_reward():
+    """Reward = completion length in characters: varies within a group, so groups carry a learning signal."""
+    return lambda completions, **kwargs: [float(len(c[0]["content"])) for c in completions]
+
+
+def start_worker(model, tokenizer, transfer, **overrides) -> GRPORolloutWorker:
+    kwargs = dict(
+        model_name="tiny",
+        dataset=prompts(4),
+        reward_funcs=[length_reward()],
+        processing_class=tokenizer,
+        eos_token_ids=[tokenizer.eos_token_id],
+        num_generations=G,
+        max_inflight_tasks=4 * G,
+        max_tokens=MAX_TOKENS,
+        generator=GeneratorSpec(
+            policy=PolicySpec.from_model(model),
+            eos_token_ids=(tokenizer.eos_token_id,),
+            max_tokens=MAX_TOKENS,
+            weight_receiver=transfer.receiver(),
+            seed=0,
+        ),
+        epochs=1,
+        reward_num_workers=1,
+        reward_timeout=20.0,
+    )
+    kwargs.update(overrides)
+    worker = GRPORolloutWorker(child_ready_timeout=120, **kwargs)
+    worker.start()
+    return worker
+
+
+def push(transfer: SharedMemoryWeightTransfer, model, version: int) -> None:
+    transfer.pause()
+    transfer.send_weights(model.named_parameters(), version=version)
+    transfer.resume()
+
+
+def collect_groups(worker, count: int, timeout: float = 60.0) -> dict[int, list[RolloutSample]]:
+    """Read samples until `count` whole groups arrived."""
+    groups: dict[int, list[RolloutSample]] = {}
+    deadline = time.monotonic() + timeout
+    while sum(len(s) == s[0].group_rows for s in groups.values()) < count:
+        assert time.monotonic() < deadline, f"only {len(groups)} groups after {timeout} s"
+        worker.check_health(stale_after_s=60)
+        try:
+            sample = worker.rollout_buffer.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        groups.setdefault(sample.group_id, []).append(sample)
+    return groups
+
+
+@pytest.fixture
+def transfer(tiny_model):
+    transfer = SharedMemoryWeightTransfer(tiny_model)
+    yield transfer
+    transfer.destroy()
+
+
+@pytest.mark.timeout(180)
+def test_groups_arrive_complete_scored_and_with_exact_logprobs(tiny_model, tokenizer, transfer, no_leaked_processes):
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(tiny_model, tokenizer, transfer, consumed={1})
+    try:
+        groups = collect_groups(worker, 3)
+        assert sorted(groups) == [0, 2, 3]  # the consumed id is skipped, every other id once
+        for group_id, samples in groups.items():
+            assert len(samples) == samples[0].group_rows <= G
+            rewards = np.array([[s.metrics["rewards/<lambda>"] for s in samples]])
+            _, expected = compute_group_advantages(rewards, np.ones(1))
+            np.testing.assert_allclose([s.advantage for s in samples], expected, atol=1e-6)
+            for sample in samples:
+                assert sample.model_version == 0 and not np.isnan(sample.advantage)
+                prompt_len = int((sample.completion_mask == 0).sum())
+                completion = sample.input_ids[prompt_len:].tolist()
+                assert sample.completion_mask[prompt_len:].all() and len(completion) <= MAX_TOKENS
+                assert sample.truncated == (completion[-1] != tokenizer.eos_token_id)
+                assert sample.metrics["reward"] == len(sample.completion[0]["content"])
+                reference = teacher_forced_logprobs(tiny_model, sample.input_ids[:prompt_len].tolist(), completion)
+                np.testing.assert_allclose(sample.old_log_probs[prompt_len:], reference.numpy(), atol=1e-4)
+        # The schedule is done: nothing more arrives, and the child idles with its heartbeat alive.
+        with pytest.raises(queue.Empty):
+            worker.rollout_buffer.get(timeout=1.5)
+        worker.check_health(stale_after_s=5)
+    finally:
+        worker.stop()
+
+
+@pytest.mark.timeout(180)
+def test_weight_push_switches_version_and_logprobs_follow_new_weights(tiny_model, tokenizer, transfer, no_leaked_processes):
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(tiny_model, tokenizer, transfer, dataset=prompts(6), groups_per_step=1, max_staleness=0)
+    new_model = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for param in new_model.parameters():
+            param.mul_(1.5)
+    try:
+        first = collect_groups(worker, 1)
+        assert {s.model_version for s in first[0]} == {0}
+        push(transfer, new_model, version=1)
+        worker.groups_consumed = 1  # pacing admits the next group only now
+        later = collect_groups(worker, 1)
+        (samples,) = later.values()
+        assert {s.model_version for s in samples} == {1}
+        for sample in samples:
+            prompt_len = int((sample.completion_mask == 0).sum())
+            ids = sample.input_ids.tolist()
+            expected = teacher_forced_logprobs(new_model, ids[:prompt_len], ids[prompt_len:])
+            np.testing.assert_allclose(sample.old_log_probs[prompt_len:], expected.numpy(), atol=1e-4)
+    finally:
+        worker.stop()
+
+
+@pytest.mark.timeout(240)
+def test_pacing_keeps_staleness_bounded_with_a_slow_consumer(tiny_model, tokenizer, transfer, no_leaked_processes):
+    """A consumer that trains slowly and bumps the version every step never sees a group staler than max_staleness,
+    the child never runs more than the pacing window ahead, and generation resumes as soon as groups are consumed."""
+    groups_per_step, max_staleness = 2, 1
+    window = (max_staleness + 1) * groups_per_step
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(
+        tiny_model, tokenizer, transfer, dataset=prompts(6), epochs=2, groups_per_step=groups_per_step,
+        max_staleness=max_staleness,
+    )
+    version, consumed, staleness = 0, 0, []
+    try:
+        while consumed < 12:
+            step = collect_groups(worker, groups_per_step)
+            # Trainer-side view of the child's lead: groups in flight or queued never exceed the window.
+            time.sleep(1.0)  # a slow step: the child has time to run ahead if pacing did not hold it
+            extra = worker.rollout_buffer.qsize()
+            assert extra <= (window - groups_per_step) * G, f"{extra} samples queued beyond the pacing window"
+            staleness += [version - s[0].model_version for s in step.values()]
+            version += 1
+            push(transfer, tiny_model, version=version)
+            consumed += groups_per_step
+            worker.groups_consumed = consumed
+        assert max(staleness) <= max_staleness, staleness
+    finally:
+        worker.stop()
+
+
+@pytest.mark.timeout(180)
+def test_trainer_scored_groups_carry_nan_advantages_and_payload(tiny_model, tokenizer, transfer, no_leaked_processes):
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(tiny_model, tokenizer, transfer, dataset=prompts(1), trainer_scored=True)
+    try:
+        (samples,) = collect_groups(worker, 1).values()
+        for sample in samples:
+            assert np.isnan(sample.advantage)
+            payload = sample.extras[SCORE_PAYLOAD]
+            assert payload == {"rows": len(samples), "columns": ["<lambda>"], "payload": {}}
+            assert not np.isnan(sample.metrics["rewards/<lambda>"])  # its own columns are scored
+    finally:
+        worker.stop()
+
+
+@pytest.mark.timeout(180)
+def test_child_killed_with_sigkill_fails_check_health_and_stop_cleans_up(
+    tiny_model, tokenizer, transfer, no_leaked_processes
+):
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(tiny_model, tokenizer, transfer, dataset=prompts(2))
+    try:
+        collect_groups(worker, 1)
+        os.kill(worker.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        with pytest.raises(RuntimeError, match="killed by signal 9"):
+            while time.monotonic() < deadline:
+                worker.check_health(stale_after_s=30)
+                time.sleep(0.05)
+    finally:
+        started = time.monotonic()
+        worker.stop()  # also reaps the reward-pool worker orphaned by the kill
+        assert time.monotonic() - started < 10
+
+
+@pytest.mark.timeout(120)
+def test_bad_loop_argument_fails_start_with_the_childs_message(tiny_model, tokenizer, transfer, no_leaked_processes):
+    with pytest.raises(RuntimeError, match=r"reward_weights.*2 entries but there are 1 reward columns"):
+        start_worker(tiny_model, tokenizer, transfer, reward_weights=[1.0, 2.0])
+
+
+def test_unshippable_argument_is_named_before_anything_is_spawned(tiny_model, tokenizer, transfer, no_leaked_processes):
+    worker = GRPORolloutWorker(dataset=prompts(1), reward_funcs=[length_reward()], lock=threading.Lock())
+    with pytest.raises(TypeError, match="cannot ship `lock="):
+        worker.start()
+    assert worker.pid is None
