@@ -22,7 +22,8 @@ class RolloutStopCallback(Callback):
     `GRPODataModule`). A normal stop (every prompt group consumed) sets `trainer.should_stop` on every rank, so fit
     ends cleanly there, also with `max_epochs=-1`. A stop that carries an error (a full pass over the prompts trained
     nothing, or the rollout child died) raises `RolloutStreamError` with that message on every rank at once, so no
-    rank is left waiting in a collective.
+    rank is left waiting in a collective. A stall that trainer scoring completes while the last step trains (its
+    groups all excluded) is only known on rank 0 when the stop item arrives; it is broadcast and raised the same way.
 
     Example::
 
@@ -33,6 +34,11 @@ class RolloutStopCallback(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if not isinstance(batch, StepBatch) or not batch.stop:
             return
-        if batch.error:
-            raise RolloutStreamError(batch.error)
+        error = batch.error
+        if error is None:
+            datamodule = trainer.datamodule
+            local = datamodule.stall_error() if trainer.is_global_zero and hasattr(datamodule, "stall_error") else None
+            error = trainer.strategy.broadcast(local, src=0)
+        if error:
+            raise RolloutStreamError(error)
         trainer.should_stop = True
