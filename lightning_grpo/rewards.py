@@ -1,0 +1,125 @@
+"""Built-in reward functions with TRL's signature: `f(completions, prompts, completion_ids, **columns) -> rewards`.
+
+Each returns one `float | None` per completion (`None` = not scored). A completion is a string or a conversation
+(a list of `{"role", "content"}` messages); see `completion_text`. They are plain synchronous functions, meant to
+run in a `RewardProcessPool` worker, where math_verify's signal-based timeouts work.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from math_verify import parse, verify
+
+_BOXED = "\\boxed{"
+
+
+def completion_text(completion: str | Sequence[dict[str, Any]]) -> str:
+    """The text a completion answers with.
+
+    Args:
+        completion: A string, or a list of messages; then the content of the last assistant message (the last
+            message when none has the role "assistant"). Content may be a string or a list of parts
+            (`{"type": "text", "text": ...}`), whose texts are joined; `None` content is "".
+
+    Raises:
+        TypeError: the completion is neither a string nor a list of message dicts.
+    """
+    if isinstance(completion, str):
+        return completion
+    if not isinstance(completion, Sequence) or not all(isinstance(m, dict) for m in completion):
+        raise TypeError(
+            f"A completion must be a string or a list of message dicts, got {type(completion).__name__}: "
+            f"{completion!r:.200}"
+        )
+    if not completion:
+        return ""
+    replies = [m for m in completion if m.get("role") == "assistant"] or list(completion)
+    content = replies[-1].get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def accuracy(
+    completions: Sequence[Any],
+    answer: Sequence[Any],
+    *,
+    parsing_timeout: int = 5,
+    timeout_seconds: int = 5,
+    **kwargs: Any,
+) -> list[float | None]:
+    r"""1.0 when a completion's final answer equals the gold `answer` (math_verify), else 0.0.
+
+    The gold column `answer` holds one string or number per completion (e.g. `"12"`, `"\frac{1}{2}"`, `12`). A
+    gold answer math_verify cannot parse scores `None` (not scored), so a broken dataset row never teaches the
+    model anything.
+
+    The completion's answer is what math_verify's `parse` extracts with its default LaTeX and plain-expression
+    targets, tried by priority: a non-empty `\boxed{...}` (two boxes parse as a set, which fails a single gold),
+    then an answer after a cue such as "the final answer is" or "Answer:", then the last number or expression in
+    the text. So "7 + 5 = 12\n\nThe answer is \boxed{}." counts as 12; "I think 12 but maybe 13" as 13.
+
+    On a main thread (e.g. in a `RewardProcessPool` worker) math_verify's own limits apply (`signal.alarm`); a
+    comparison over its limit scores 0.0, so a pathological answer such as `\boxed{9^{9^{9^{9}}}}` costs
+    `timeout_seconds` and scores 0.0. Off the main thread they are off (math_verify raises there otherwise; it then
+    logs a one-time warning) and only the caller, e.g. the pool's `timeout`, bounds a call; such an answer then runs
+    for a very long time holding the GIL. Change the limits with `functools.partial(accuracy, timeout_seconds=1)`.
+
+    Args:
+        completions: Strings or conversations, see `completion_text`.
+        answer: One gold answer per completion.
+        parsing_timeout: math_verify's limit in whole seconds for parsing one text (main thread only).
+        timeout_seconds: math_verify's limit in whole seconds for one comparison (main thread only).
+        **kwargs: Other dataset columns and TRL's `prompts`, `completion_ids`; ignored.
+
+    Raises:
+        ValueError: `answer` does not have one entry per completion.
+    """
+    if len(answer) != len(completions):
+        raise ValueError(f"accuracy() got {len(completions)} completions but {len(answer)} gold answers (`answer`).")
+    on_main = threading.current_thread() is threading.main_thread()
+    parse_timeout = parsing_timeout if on_main else None
+    verify_timeout = timeout_seconds if on_main else None
+    rewards: list[float | None] = []
+    golds: dict[str, list] = {}  # a group shares one gold answer: parse it once
+    for completion, gold in zip(completions, answer, strict=True):
+        key = str(gold)
+        if key not in golds:
+            golds[key] = parse(key, parsing_timeout=parse_timeout)
+        gold_parsed = golds[key]
+        if not gold_parsed:
+            rewards.append(None)
+            continue
+        predicted = parse(completion_text(completion), parsing_timeout=parse_timeout)
+        rewards.append(float(verify(gold_parsed, predicted, timeout_seconds=verify_timeout)))
+    return rewards
+
+
+def boxed_format(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
+    r"""1.0 when a completion holds exactly one `\boxed{...}`, with balanced braces and non-blank content, else 0.0.
+
+    An empty box (`\boxed{}`), a second box (nested or not) and an unclosed box all score 0.0. The answer itself
+    is not checked; pair it with `accuracy`.
+
+    Args:
+        completions: Strings or conversations, see `completion_text`.
+        **kwargs: Dataset columns and TRL's `prompts`, `completion_ids`; ignored.
+    """
+    return [1.0 if _single_filled_box(completion_text(completion)) else 0.0 for completion in completions]
+
+
+def _single_filled_box(text: str) -> bool:
+    if text.count(_BOXED) != 1:
+        return False
+    start = text.index(_BOXED) + len(_BOXED)
+    depth = 1
+    for end in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[end], 0)
+        if depth == 0:
+            return bool(text[start:end].strip())
+    return False
