@@ -85,6 +85,11 @@ def check_columns(dataset: Dataset, required: set[str], *, source: str = "the pr
         )
 
 
+def as_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A prompt as chat messages: a plain string becomes one user message."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
 def _looks_like_path(source: str) -> bool:
     return source.endswith((".jsonl", ".json", ".parquet")) or Path(source).exists() or "/" in source and (
         source.startswith((".", "/", "~"))

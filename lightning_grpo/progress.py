@@ -120,6 +120,10 @@ class RolloutProgress:
         """Groups of the run not consumed yet (some may sit in the planner's open step)."""
         return self.epochs_done - len(self.consumed)
 
+    def settled(self) -> int:
+        """Groups whose fate is final: trained and committed, dropped or excluded. Generation is paced on it."""
+        return len(self.consumed) - len(self._uncommitted) - len(self._held)
+
     @property
     def stall_run(self) -> int:
         """Groups consumed in a row without one training."""
@@ -350,6 +354,10 @@ class SampleFilterQueue:
         staleness = self.model_version() - min(sample.model_version for sample in group)
         reason = self._drop_reason(group, staleness)
         if reason is not None:
+            log.info(
+                "Dropping group %d (%s): group version %d, policy version %d.",
+                group_id, reason, min(sample.model_version for sample in group), self.model_version(),
+            )
             append_metric(self.metrics, f"progress/dropped_{reason}_total", 1.0)
             if self.progress is not None:
                 self.progress.drop(group_id, reason)

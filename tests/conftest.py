@@ -29,11 +29,14 @@ def tiny_model():
 
 
 def live_children() -> list[psutil.Process]:
-    """This process's live descendants (zombies excluded)."""
+    """This process's live descendants, except zombies and Python's multiprocessing resource tracker (a helper
+    process Python starts once, on first use of shared memory or a spawn context, and keeps for its lifetime)."""
     children = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
+            if child.status() != psutil.STATUS_ZOMBIE and "multiprocessing.resource_tracker" not in " ".join(
+                child.cmdline()
+            ):
                 children.append(child)
         except psutil.NoSuchProcess:
             pass
@@ -57,6 +60,14 @@ def no_leaked_processes():
     before = {p.pid for p in live_children()}
     yield
     leaked = wait_no_children(ignore=before)
+    described = [_describe(p) for p in leaked]
     for p in leaked:
         p.kill()
-    assert not leaked, f"processes left behind: {[(p.pid, p.name()) for p in leaked]}"
+    assert not leaked, f"processes left behind: {described}"
+
+
+def _describe(process: psutil.Process) -> str:
+    try:
+        return f"{process.pid}: {' '.join(process.cmdline())[:200]}"
+    except psutil.Error:
+        return str(process.pid)

@@ -1,0 +1,115 @@
+"""`Trainer.fit` as real processes: 2-rank DDP on CPU (gloo), a dead rollout child, a stall, and a SIGKILLed run
+resumed from its checkpoint. Each run is `tests/scripts/fit_tiny.py` in its own process session, bounded by a
+timeout; the test then checks that no process of that session is left (the rollout child and its reward pool too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "fit_tiny.py"
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    alive = []
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == sid and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except (psutil.Error, ProcessLookupError, PermissionError):
+            pass
+    return alive
+
+
+def run_fit(out: Path, *args: str, timeout: float = 200) -> tuple[int, dict[int, dict]]:
+    """Run the script; return its exit code and each rank's result. Fails if a process of its session outlives it."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "log.txt"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    with log.open("w") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "--out", str(out), *args],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+    try:
+        code = process.wait(timeout=timeout)
+        deadline = time.monotonic() + 15
+        while session_processes(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leftovers = [(p.pid, " ".join(p.cmdline())[:120]) for p in session_processes(process.pid)]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the fit did not end within {timeout} s (a hang); log:\n{log.read_text()[-4000:]}")
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not leftovers, f"processes left behind: {leftovers}\n{log.read_text()[-3000:]}"
+    results = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    return code, results
+
+
+def all_groups(results: dict[int, dict]) -> list[int]:
+    return sorted(g for step in results[0]["steps"] for g in step)
+
+
+@pytest.mark.timeout(300)
+def test_ddp_two_ranks_end_together_when_groups_are_consumed(tmp_path):
+    code, results = run_fit(tmp_path, "--devices", "2", "--prompts", "8")
+    assert code == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    assert set(results) == {0, 1}
+    assert results[0]["error"] is None and results[1]["error"] is None
+    assert results[0]["global_step"] == results[1]["global_step"] > 0
+    assert results[0]["steps"] == results[1]["steps"]  # same micro-batches, same groups, on both ranks
+    assert len(all_groups(results)) == len(set(all_groups(results)))  # each group trained at most once
+
+
+@pytest.mark.timeout(300)
+def test_ddp_full_pass_without_signal_raises_stall_on_both_ranks(tmp_path):
+    code, results = run_fit(tmp_path, "--devices", "2", "--scenario", "stall", "--prompts", "4")
+    assert code != 0
+    for rank in (0, 1):
+        assert results[rank]["error"].startswith("RolloutStreamError"), results[rank]
+        assert "no_signal" in results[rank]["error"] and "4" in results[rank]["error"]
+        assert results[rank]["global_step"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_ddp_rollout_child_killed_mid_run_stops_both_ranks(tmp_path):
+    code, results = run_fit(tmp_path, "--devices", "2", "--scenario", "kill_child", "--prompts", "16")
+    assert code != 0
+    for rank in (0, 1):
+        error = results[rank]["error"]
+        assert error.startswith("RolloutStreamError") and "killed by signal 9" in error, results[rank]
+    assert results[0]["global_step"] == results[1]["global_step"]
+
+
+@pytest.mark.timeout(400)
+def test_sigkilled_fit_resumed_from_checkpoint_trains_every_group_exactly_once(tmp_path):
+    kill_at, prompts = 2, 8
+    code, first = run_fit(tmp_path / "run1", "--scenario", "kill_self", "--kill-at", str(kill_at),
+                          "--prompts", str(prompts))
+    assert code == -signal.SIGKILL
+    trained_before = [g for step in first[0]["steps"][:kill_at] for g in step]
+    ckpt = next((tmp_path / "run1" / "ckpt").glob(f"*step={kill_at}.ckpt"))
+    restored_weights = json.loads((tmp_path / "run1" / f"weights_step{kill_at}.json").read_text())
+
+    code, second = run_fit(tmp_path / "run2", "--scenario", "resume", "--ckpt", str(ckpt), "--prompts", str(prompts))
+    assert code == 0, (tmp_path / "run2" / "log.txt").read_text()[-3000:]
+    trained_after = all_groups(second)
+    assert sorted(trained_before + trained_after) == list(range(prompts))  # every group once, none twice
+    # The resumed run generated with its restored weights: pushed before generation, under the restored version.
+    assert second[0]["weights_at_fit_start"] == pytest.approx(restored_weights, rel=1e-12)
+    assert min(second[0]["first_versions"]) >= kill_at

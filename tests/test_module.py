@@ -1,0 +1,41 @@
+"""GRPOModule + GRPODataModule under a real `Trainer.fit` on CPU, with the tiny model and a real rollout child."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+from datasets import Dataset
+
+from lightning_grpo.datamodule import GRPODataModule
+from lightning_grpo.module import GRPOModule
+
+
+def char_sum_reward(completions, **kwargs):
+    """Varies with every character, so a random policy's groups carry a learning signal."""
+    return [sum(map(ord, c[0]["content"])) % 97 / 97 for c in completions]
+
+
+def tiny_prompts(n: int) -> Dataset:
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}."}] for i in range(n)]})
+
+
+@pytest.mark.timeout(240)
+def test_fit_ends_by_itself_when_groups_are_consumed(tmp_path, no_leaked_processes):
+    datamodule = GRPODataModule(
+        model="tiny-random",
+        dataset=tiny_prompts(6),
+        reward_funcs=[char_sum_reward],
+        num_generations=4,
+        max_completion_length=8,
+        epochs=1,
+        gradient_accumulation_steps=2,
+        samples_per_row=4,
+    )
+    module = GRPOModule("tiny-random", learning_rate=1e-3)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=-1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=datamodule)
+    assert trainer.global_step == 3
+    assert datamodule.progress.trained_total + sum(datamodule.progress.dropped.values()) == 6
