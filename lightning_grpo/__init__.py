@@ -20,15 +20,59 @@ _EXPORTS = {
     "SCORE_PAYLOAD": "records",
     "GroupSchedule": "schedule",
     "StepBatch": "batch",
+    "RewardProcessPool": "reward_pool",
+    "GRPORolloutLoop": "rollout",
+    "GRPORolloutWorker": "rollout_worker",
+    "RolloutStop": "progress",
+    "RolloutProgress": "progress",
+    "SampleFilterQueue": "progress",
+    "StopAwareDataset": "progress",
+    "ProgressCollator": "progress",
+    "GroupedQueue": "planner",
+    "ScoredRow": "planner",
+    "StepPlan": "planner",
+    "StepPlanner": "planner",
+    "check_step_capacity": "planner",
+    "TrainerScorer": "scoring",
+    "ScoringCollator": "scoring",
+    "score_step": "scoring",
+    "chunk_inputs": "packing",
+    "chunk_sequences": "packing",
+    "pack_sequences": "packing",
+    "unpack_sequences": "packing",
+    "RewardModelScorer": "scorers",
+    "FeatureMatchingScorer": "scorers",
+    "EmbeddedGenerator": "generation",
+    "GeneratorSpec": "generation",
+    "PolicySpec": "generation",
+    "SharedMemoryWeightTransfer": "weight_transfer",
+    "register_tree_attention": "attention",
+    "grpo_loss": "loss",
+    "GRPOModule": "module",
+    "GRPODataModule": "datamodule",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from .advantages import compute_group_advantages
+    from .attention import register_tree_attention
     from .batch import StepBatch
-    from .records import SCORE_PAYLOAD, RolloutSample
+    from .datamodule import GRPODataModule
+    from .generation import EmbeddedGenerator, GeneratorSpec, PolicySpec
+    from .loss import grpo_loss
+    from .module import GRPOModule
+    from .packing import chunk_inputs, chunk_sequences, pack_sequences, unpack_sequences
+    from .planner import GroupedQueue, ScoredRow, StepPlan, StepPlanner, check_step_capacity
+    from .progress import ProgressCollator, RolloutProgress, RolloutStop, SampleFilterQueue, StopAwareDataset
+    from .records import RolloutSample, SCORE_PAYLOAD
+    from .reward_pool import RewardProcessPool
+    from .rollout import GRPORolloutLoop
+    from .rollout_worker import GRPORolloutWorker
     from .schedule import GroupSchedule
+    from .scorers import FeatureMatchingScorer, RewardModelScorer
+    from .scoring import ScoringCollator, TrainerScorer, score_step
+    from .weight_transfer import SharedMemoryWeightTransfer
 
 
 def __getattr__(name: str):

@@ -75,6 +75,14 @@ def load_prompts(source: str | Dataset, *, size: int | None = None, seed: int = 
     return dataset
 
 
+def check_source(source: str | Dataset | None) -> None:
+    """Raise `FileNotFoundError` for a local path that does not exist (cheap; nothing is loaded)."""
+    if isinstance(source, str) and source not in BUILTIN_DATASETS and _looks_like_path(source):
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"The prompt dataset file `{path}` does not exist (dataset={source!r}).")
+
+
 def check_columns(dataset: Dataset, required: set[str], *, source: str = "the prompt dataset") -> None:
     """Raise `ValueError` naming the missing columns (and the ones present) when `dataset` lacks any of `required`."""
     missing = sorted(required - set(dataset.column_names))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
-from .data import as_messages, check_columns, load_prompts
+from .data import as_messages, check_columns, check_source, load_prompts
 from .metrics import MetricWindow
 from .progress import RolloutProgress
 from .schedule import GroupSchedule
@@ -122,10 +122,13 @@ class GRPODataModule(pl.LightningDataModule):
         self.val_source = val_dataset
         self.reward_func_specs = list(reward_funcs)
         _validate_options(self.hparams)
+        # Fail on a bad import path or a missing file now, before Trainer.fit launches ranks or the rollout child.
+        self.reward_funcs: list[RewardFunc] = [resolve_callable(f, "reward_funcs") for f in self.reward_func_specs]
+        for source in (dataset, val_dataset):
+            check_source(source)
         self.train_prompts: Dataset | None = None
         self.val_prompts: Dataset | None = None
         self.tokenizer: Any = None
-        self.reward_funcs: list[RewardFunc] = []
         self.schedule: GroupSchedule | None = None
         self.progress: RolloutProgress | None = None
         self.model_version = 0
@@ -144,7 +147,6 @@ class GRPODataModule(pl.LightningDataModule):
         """Load and check the prompts, tokenizer and reward functions; nothing is spawned here."""
         if self.train_prompts is not None:
             return
-        self.reward_funcs = [resolve_callable(f, "reward_funcs") for f in self.reward_func_specs]
         self.train_prompts = load_prompts(self.dataset_source, size=self.hparams.dataset_size,
                                           seed=self.hparams.dataset_seed)
         check_columns(self.train_prompts, {"prompt"}, source=f"dataset={self.dataset_source!r}")

@@ -94,6 +94,7 @@ class GRPOModule(pl.LightningModule):
             from .models import load_policy
 
             self.policy = load_policy(self.model_name, dtype=getattr(torch, self.hparams.dtype))
+        self.policy.train()  # loaders return eval mode; Lightning switches to eval and back around validation
         for scorer in self.scorers:
             if isinstance(scorer, torch.nn.Module):
                 scorer.to(self.device)
