@@ -7,6 +7,8 @@ run in a `RewardProcessPool` worker, where math_verify's signal-based timeouts w
 
 from __future__ import annotations
 
+import math
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +16,8 @@ from typing import Any
 from math_verify import parse, verify
 
 _BOXED = "\\boxed{"
+# A number, its minus sign only when no digit precedes it ("45-7" holds 45 and 7; "= -7" holds -7).
+_NUMBER = re.compile(r"(?<![\d.])-?\d+(?:\.\d+)?")
 
 
 def completion_text(completion: str | Sequence[dict[str, Any]]) -> str:
@@ -123,3 +127,45 @@ def _single_filled_box(text: str) -> bool:
         if depth == 0:
             return bool(text[start:end].strip())
     return False
+
+
+def numeric_closeness(completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any) -> list[float | None]:
+    r"""Partial credit for a numeric answer: `1 / (1 + |x - gold|)`, where `x` is the completion's number.
+
+    A dense companion to `accuracy` for arithmetic-style tasks: an exact answer scores 1.0, one off by 1 scores 0.5,
+    off by 9 scores 0.1, and a completion with no number 0.0, so a model that is never exactly right (a small or a
+    random one, e.g. in a smoke run) still gets a signal that ranks closer answers higher. `x` is the last number
+    inside the last `\boxed{...}` when there is one, else the last number in the text ("12, no 13" counts as 13).
+    A gold answer that is not a plain number (`"\frac{1}{2}"`) scores `None` (not scored).
+
+    Args:
+        completions: Strings or conversations, see `completion_text`.
+        answer: One gold answer per completion (a number or a string such as `"-12"` or `"2.5"`).
+        **kwargs: Other dataset columns and TRL's `prompts`, `completion_ids`; ignored.
+
+    Raises:
+        ValueError: `answer` does not have one entry per completion.
+    """
+    if len(answer) != len(completions):
+        raise ValueError(
+            f"numeric_closeness() got {len(completions)} completions but {len(answer)} gold answers (`answer`)."
+        )
+    rewards: list[float | None] = []
+    for completion, gold in zip(completions, answer, strict=True):
+        target = _as_number(str(gold).strip())
+        if target is None:
+            rewards.append(None)
+            continue
+        text = completion_text(completion)
+        boxed = text.rpartition(_BOXED)[2] if _BOXED in text else ""
+        numbers = _NUMBER.findall(boxed.partition("}")[0]) or _NUMBER.findall(text)
+        value = _as_number(numbers[-1]) if numbers else None
+        rewards.append(0.0 if value is None else 1.0 / (1.0 + abs(value - target)))
+    return rewards
+
+
+def _as_number(text: str) -> float | None:
+    if _NUMBER.fullmatch(text) is None:
+        return None
+    value = float(text)
+    return value if math.isfinite(value) else None

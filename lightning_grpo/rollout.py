@@ -30,6 +30,7 @@ from ._trl import (
     is_async_callable,
 )
 from .advantages import compute_group_advantages
+from .data import as_messages
 from .records import SCORE_PAYLOAD, RolloutSample
 from .reward_pool import RewardProcessPool
 from .rollout_worker import GRPORolloutWorker
@@ -556,10 +557,7 @@ def _assemble(group: RolloutGroup, rollouts: list[_Rollout]) -> RolloutGroup:
 def _prompt_of(row: dict[str, Any], environment: Any) -> list[dict[str, Any]]:
     if "prompt" not in row and environment is not None:
         return [{"role": "user", "content": ""}]  # the environment's observation supplies the task
-    prompt = row["prompt"]
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return list(prompt)
+    return as_messages(row["prompt"])
 
 
 def _with_observation(prompt: list[dict[str, Any]], observation: Any) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Built-in rewards: math_verify accuracy against the `answer` column, and the boxed-format reward.
+"""Built-in rewards: math_verify accuracy against the `answer` column, numeric closeness, and the boxed format.
 
 Tests that call `accuracy` on the main thread use pytest-timeout's thread method: math_verify's `signal.alarm`
 would cancel the signal-based timer of pytest-timeout.
@@ -12,7 +12,7 @@ import time
 import pytest
 from math_verify import parse
 
-from lightning_grpo.rewards import accuracy, boxed_format, completion_text
+from lightning_grpo.rewards import accuracy, boxed_format, completion_text, numeric_closeness
 
 POISON = "\\boxed{9^{9^{9^{9}}}}"
 main_thread_timeout = pytest.mark.timeout(60, method="thread")
@@ -110,6 +110,31 @@ def test_boxed_format_wants_exactly_one_filled_balanced_box(text, score):
     assert boxed_format([chat(text)]) == [score]
 
 
+@pytest.mark.parametrize(
+    ("text", "gold", "score"),
+    [
+        ("7 + 5 = 12. The answer is \\boxed{12}.", "12", 1.0),
+        ("12, no 13", "12", 0.5),  # the last number counts
+        ("\\boxed{x = 11} and then 99", "12", 0.5),  # the box wins over later text
+        ("45-7", "7", 1.0),  # a minus after a digit is an operator
+        ("so it is -7", "-7", 1.0),
+        ("2.5", 2, 1 / 1.5),  # numeric gold
+        ("about 21", "12", 0.1),
+        ("no number here", "12", 0.0),
+        ("9" * 400, "12", 0.0),  # overflows to inf: no usable number
+        ("12", "\\frac{1}{2}", None),  # not a plain-number gold: not scored
+    ],
+)
+def test_numeric_closeness_gives_partial_credit_by_distance(text, gold, score):
+    assert numeric_closeness([text], answer=[gold]) == pytest.approx([score])
+    assert numeric_closeness([chat(text)], answer=[gold]) == pytest.approx([score])
+
+
+def test_numeric_closeness_needs_one_gold_answer_per_completion():
+    with pytest.raises(ValueError, match="got 2 completions but 1 gold answers"):
+        numeric_closeness(["1", "2"], answer=["1"])
+
+
 def test_completion_text_takes_the_last_assistant_message():
     conversation = [
         {"role": "assistant", "content": "first"},
@@ -132,7 +157,12 @@ def test_completion_text_rejects_other_types():
 
 def test_rewards_return_one_entry_per_completion_of_the_declared_types():
     completions = ["\\boxed{1}", chat("2"), "x"]
-    for result in (accuracy(completions, answer=["1", "2", "bad gold"]), boxed_format(completions)):
+    golds = ["1", "2", "bad gold"]
+    for result in (
+        accuracy(completions, answer=golds),
+        boxed_format(completions),
+        numeric_closeness(completions, golds),
+    ):
         assert len(result) == len(completions)
         assert all(r is None or type(r) is float for r in result)
 

@@ -1,0 +1,115 @@
+"""The `lightning-grpo` command: LightningCLI over `GRPOModule` and `GRPODataModule`.
+
+    lightning-grpo fit --config lightning_grpo/configs/smoke.yaml
+    lightning-grpo fit --config lightning_grpo/configs/arithmetic.yaml --trainer.max_steps 50
+    lightning-grpo validate --config lightning_grpo/configs/arithmetic.yaml --ckpt_path last.ckpt
+    lightning-grpo fit --config lightning_grpo/configs/smoke.yaml --print_config   # every option, as YAML
+
+Every option of the module (`model.*`, including AdamW's), the data module (`data.*`), the trainer (`trainer.*`) and
+the callbacks can be set in the YAML or on the command line. The policy is written once, as `model.model`; the data
+module takes the same name for its tokenizer and generator. Reward functions are import paths
+(`data.reward_funcs: [lightning_grpo.rewards.accuracy, my_pkg.rewards:fmt]`). A bad value (an option of the wrong
+type, a reward path that does not import, a dataset file that does not exist) fails before anything is started,
+with exit code 2 and a message naming the value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from .datamodule import GRPODataModule
+from .module import GRPOModule
+
+DESCRIPTION = "Asynchronous GRPO with PyTorch Lightning: fit or validate a GRPOModule on a GRPODataModule."
+
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "max_epochs": -1,  # the data module ends the run when its prompt groups are consumed
+    "log_every_n_steps": 1,  # one batch is one optimizer step
+    "num_sanity_val_steps": 0,
+    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "."}},
+}
+"""Trainer defaults of the command (Lightning's own otherwise); a config or a flag overrides each."""
+
+# Errors a class's `__init__` raises for a bad value; anything else is a bug and keeps its traceback.
+_CONFIG_ERRORS = (ValueError, TypeError, FileNotFoundError, MisconfigurationException)
+
+
+class GRPOLightningCLI(LightningCLI):
+    """LightningCLI with the policy linked from the module to the data module and `GRPOProgressBar` by default.
+
+    A value a class rejects when it is built (e.g. `GRPODataModule`'s check of reward import paths and dataset
+    files) ends the command with the parser's `error: ...` and exit code 2, like a value of the wrong type, instead
+    of a traceback: nothing has been started yet at that point. Set `JSONARGPARSE_DEBUG=1` to get the traceback.
+    """
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """`fit` and `validate` (GRPOModule has no test or predict step)."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # `model.model` is a name or an nn.Module config; the data module only needs a name (None: ask the module).
+        parser.link_arguments("model.model", "data.model", compute_fn=_policy_name)
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except _CONFIG_ERRORS as error:
+            self.parser.error(f"{type(error).__name__}: {error}", ex=error)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The trainer, with `GRPOProgressBar` unless the config has a progress bar or turns it off."""
+        if "callbacks" not in kwargs:
+            config = self.config_init.get(self.subcommand, self.config_init) if self.subcommand else self.config_init
+            trainer_config = config.get("trainer") or {}
+            callbacks = trainer_config.get("callbacks") or []
+            callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+            wants_bar = trainer_config.get("enable_progress_bar") is not False
+            if wants_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
+                from .callbacks import GRPOProgressBar
+
+                kwargs["callbacks"] = [*callbacks, GRPOProgressBar()]
+        return super().instantiate_trainer(**kwargs)
+
+
+def _policy_name(model: Any) -> str | None:
+    return model if isinstance(model, str) else None
+
+
+def cli(args: list[str] | dict[str, Any] | None = None, *, run: bool = True) -> GRPOLightningCLI:
+    """Build (and with `run`, run) the command; returns it, with its `model`, `datamodule` and `trainer`.
+
+    Args:
+        args: the command line without the program name (default `sys.argv[1:]`), or a config dict.
+        run: run the subcommand (`fit` or `validate`) given first in `args`; without it `args` has no subcommand and
+            only the classes are built.
+
+    Raises:
+        SystemExit: 2 for a bad option or value (the message names it); 0 after `--help` or `--print_config`.
+    """
+    return GRPOLightningCLI(
+        GRPOModule,
+        GRPODataModule,
+        trainer_defaults=TRAINER_DEFAULTS,
+        save_config_kwargs={"overwrite": True},
+        # LightningCLI would build `--optimizer` over the module's parameters before `configure_model` loads the
+        # policy; GRPOModule configures AdamW and its warm-up itself (`model.learning_rate`, `model.betas`, ...).
+        auto_configure_optimizers=False,
+        parser_kwargs={"prog": "lightning-grpo", "description": DESCRIPTION},
+        args=args,
+        run=run,
+    )
+
+
+def main(args: list[str] | None = None) -> None:
+    """The `lightning-grpo` console script (`args` instead of `sys.argv[1:]` when given); see `cli`."""
+    cli(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The `lightning-grpo` command: the smoke config end to end, `--print_config` round trips, the policy linked once,
+and bad input failing before any process is started, with a message that names the value.
+
+The smoke run is the installed console script in its own process session (like a user's shell); the other tests run
+the command in-process through `lightning_grpo.cli.main`/`cli`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing.process
+import os
+import signal
+import subprocess
+import sys
+import time
+from importlib.resources import files
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from lightning_grpo.callbacks import GRPOProgressBar
+from test_fit_processes import session_processes
+
+from lightning_grpo.cli import cli, main
+
+CONFIGS = files("lightning_grpo.configs")  # the installed package data, as the command finds it
+SMOKE = str(CONFIGS / "smoke.yaml")
+MAIN_JOB = str(CONFIGS / "arithmetic.yaml")
+
+
+def run_command(args: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
+    """Run `args` in its own process session; return its exit code and output. Fails on a hang or a process of the
+    session (the rollout child, a reward worker) that outlives the command."""
+    log = cwd / "log.txt"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    with log.open("w") as log_file:
+        process = subprocess.Popen(
+            args, cwd=cwd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+    try:
+        code = process.wait(timeout=timeout)
+        deadline = time.monotonic() + 15
+        while session_processes(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leftovers = [(p.pid, " ".join(p.cmdline())[:120]) for p in session_processes(process.pid)]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`{' '.join(args)}` did not end within {timeout} s; log:\n{log.read_text()[-4000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert not leftovers, f"processes left behind: {leftovers}\n{output[-3000:]}"
+    return code, output
+
+
+@pytest.fixture
+def in_process(monkeypatch, tmp_path):
+    """Run the command in this process from `tmp_path`, as `lightning-grpo` with no other argv (LightningCLI warns
+    when both `args` and `sys.argv` carry arguments)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-grpo"])
+
+
+@pytest.fixture
+def started_processes(monkeypatch) -> list[str]:
+    """Records every process started from now on (multiprocessing or subprocess), then starts it as usual."""
+    started: list[str] = []
+    process_start = multiprocessing.process.BaseProcess.start
+    popen_init = subprocess.Popen.__init__
+
+    def recording_start(self):
+        started.append(f"multiprocessing: {self.name}")
+        return process_start(self)
+
+    def recording_popen(self, args, *rest, **kwargs):
+        started.append(f"subprocess: {args}")
+        return popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording_popen)
+    return started
+
+
+def printed_config(capsys, args: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_smoke_config_fit_exits_0_logs_rewards_and_validates(tmp_path):
+    command = Path(sys.executable).parent / "lightning-grpo"
+    assert command.exists(), "the console script is not installed: pip install -e '.[dev]'"
+    code, output = run_command([str(command), "fit", "--config", SMOKE], cwd=tmp_path, timeout=240)
+    assert code == 0, output[-4000:]
+    log_dir = next((tmp_path / "smoke").glob("version_*"))
+    metrics = pd.read_csv(log_dir / "metrics.csv")
+    rewards = metrics["reward"].dropna()
+    assert len(rewards) >= 2 and all(0 <= r <= 2 and math.isfinite(r) for r in rewards)  # two reward functions
+    assert metrics["val/reward"].notna().any(), "validation (val_check_interval) did not run during fit"
+    assert metrics["progress/groups_consumed"].max() == 8  # it ended because every prompt's group was consumed
+    assert yaml.safe_load((log_dir / "config.yaml").read_text())["model"]["model"] == "tiny-random"
+
+
+@pytest.mark.timeout(120)
+def test_print_config_output_is_accepted_back_as_config(tmp_path, capsys, in_process):
+    first = printed_config(capsys, ["fit", "--config", SMOKE])
+    (tmp_path / "printed.yaml").write_text(first)
+    second = printed_config(capsys, ["fit", "--config", str(tmp_path / "printed.yaml")])
+    assert second == first
+    config = yaml.safe_load(first)
+    assert config["model"]["model"] == "tiny-random" and "model" not in config["data"]  # written once, linked
+    assert config["data"]["reward_funcs"] == [
+        "lightning_grpo.rewards.numeric_closeness",
+        "lightning_grpo.rewards.accuracy",
+    ]
+    assert config["trainer"]["max_epochs"] == -1 and config["trainer"]["logger"]["class_path"].endswith("CSVLogger")
+
+
+@pytest.mark.timeout(120)
+def test_main_job_config_parses_with_smollm2_and_accuracy(capsys, in_process):
+    config = yaml.safe_load(printed_config(capsys, ["fit", "--config", MAIN_JOB]))
+    assert config["model"]["model"] == "smollm2-135m-instruct"
+    assert config["data"]["dataset"] == "arithmetic"
+    assert config["data"]["reward_funcs"] == ["lightning_grpo.rewards.accuracy"]
+
+
+@pytest.mark.timeout(120)
+def test_policy_written_once_reaches_the_data_module(capsys, in_process):
+    built = cli(["--config", SMOKE, "--model.model", "tiny-random:3"], run=False)
+    assert built.model.model_name == built.datamodule.model_name == "tiny-random:3"
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["--config", SMOKE, "--data.model", "tiny-random:4"], run=False)
+    assert exit_info.value.code == 2 and "data.model" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_progress_bar_is_grpo_unless_the_config_brings_one_or_turns_it_off(in_process):
+    assert isinstance(cli(["--config", SMOKE], run=False).trainer.progress_bar_callback, GRPOProgressBar)
+    own = cli(["--config", SMOKE, "--trainer.callbacks", "lightning.pytorch.callbacks.TQDMProgressBar"], run=False)
+    assert type(own.trainer.progress_bar_callback).__name__ == "TQDMProgressBar"
+    off = cli(["--config", SMOKE, "--trainer.enable_progress_bar", "false"], run=False)
+    assert off.trainer.progress_bar_callback is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("option", "named"),
+    [
+        ("--data.reward_funcs=[no_such_pkg.rewards.nope]", "no_such_pkg.rewards.nope"),
+        ("--data.reward_funcs=[lightning_grpo.rewards.no_such_reward]", "lightning_grpo.rewards.no_such_reward"),
+        ("--data.dataset=missing/prompts.jsonl", "missing/prompts.jsonl"),
+        ("--data.num_generations=four", "four"),
+        ("--data.scale_rewards=sometimes", "sometimes"),
+        ("--data.num_generations=1", "num_generations=1"),
+    ],
+    ids=["reward_module", "reward_name", "dataset_file", "wrong_type", "not_a_choice", "out_of_range"],
+)
+def test_bad_input_exits_2_naming_the_value_before_starting_any_process(
+    option, named, capsys, in_process, started_processes, no_leaked_processes
+):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", SMOKE, option])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert named in error, error[-2000:]
+    assert "Traceback" not in error
+    assert started_processes == []
+
+
+@pytest.mark.timeout(180)
+def test_validate_subcommand_scores_the_held_out_prompts(in_process, no_leaked_processes):
+    done = cli(["validate", "--config", SMOKE, "--data.val_size", "4", "--model.val_max_tokens", "4"])
+    metrics = done.trainer.callback_metrics
+    assert {"val/reward", "val/rewards/numeric_closeness", "val/rewards/accuracy"} <= set(metrics)
+    assert 0 <= float(metrics["val/reward"]) <= 2

@@ -1,0 +1,73 @@
+"""`notebooks/quickstart.ipynb` runs top to bottom in a fresh kernel: a reward function defined in a cell trains the
+tiny model through a real rollout child, and the notebook plots the reward per step.
+
+The kernel is this environment's ipykernel (`python3` resolves to the running interpreter), started in its own
+process session by jupyter_client; after the last cell no other process of that session (the rollout child, the
+reward workers) may be left.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+from nbclient import NotebookClient
+from test_fit_processes import session_processes
+
+NOTEBOOK = Path(__file__).parents[1] / "notebooks" / "quickstart.ipynb"
+
+
+def processes_left(kernel_pid: int, grace: float = 15) -> list[str]:
+    """Processes of the kernel's session other than the kernel (and Python's multiprocessing resource tracker, which
+    lives as long as the kernel) still alive after `grace` seconds, described; they are killed."""
+
+    def others() -> list[psutil.Process]:
+        return [p for p in session_processes(kernel_pid) if p.pid != kernel_pid and not _is_resource_tracker(p)]
+
+    deadline = time.monotonic() + grace
+    while others() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = others()
+    described = [f"{p.pid}: {' '.join(p.cmdline())[:120]}" for p in left]
+    for process in left:
+        process.kill()
+    return described
+
+
+def _is_resource_tracker(process: psutil.Process) -> bool:
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(process.cmdline())
+    except psutil.Error:
+        return False
+
+
+def outputs(notebook: nbformat.NotebookNode) -> list[nbformat.NotebookNode]:
+    return [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
+
+
+@pytest.mark.timeout(300)
+def test_quickstart_notebook_trains_with_a_cell_defined_reward_and_plots_it(tmp_path):
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    client = NotebookClient(
+        notebook, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(tmp_path)}}
+    )
+    # Checked while the kernel lives: on shutdown jupyter_client signals the kernel's whole process group, which
+    # would hide a rollout child the data module failed to stop.
+    with client.setup_kernel():
+        kernel_pid = client.km.provisioner.pid
+        for index, cell in enumerate(notebook.cells):
+            client.execute_cell(cell, index)
+        leftovers = processes_left(kernel_pid)
+    assert not leftovers, f"processes left behind by the notebook: {leftovers}"
+
+    text = "".join(output.get("text", "") for output in outputs(notebook))
+    steps = re.search(r"(\d+) optimizer steps, mean reward ([\d.]+)", text)
+    assert steps is not None, text[-3000:]
+    assert int(steps[1]) >= 1 and 0 <= float(steps[2]) <= 1
+    assert any("image/png" in output.get("data", {}) for output in outputs(notebook)), "the plot was not shown"
+    assert (tmp_path / "reward.png").stat().st_size > 1000
+    assert next(tmp_path.glob("logs/quickstart/version_*/metrics.csv")).stat().st_size > 0
