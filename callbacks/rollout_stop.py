@@ -31,7 +31,9 @@ class RolloutStopCallback(Callback):
     """
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not isinstance(batch, StepBatch) or not batch.stop:
             return
         error = batch.error

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from .packing import chunk_inputs, chunk_sequences, pack_sequences, unpack_sequences
     from .planner import GroupedQueue, ScoredRow, StepPlan, StepPlanner, check_step_capacity
     from .progress import ProgressCollator, RolloutProgress, RolloutStop, SampleFilterQueue, StopAwareDataset
-    from .records import RolloutSample, SCORE_PAYLOAD
+    from .records import SCORE_PAYLOAD, RolloutSample
     from .reward_pool import RewardProcessPool
     from .rollout import GRPORolloutLoop
     from .rollout_worker import GRPORolloutWorker

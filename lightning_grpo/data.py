@@ -99,8 +99,11 @@ def as_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _looks_like_path(source: str) -> bool:
-    return source.endswith((".jsonl", ".json", ".parquet")) or Path(source).exists() or "/" in source and (
-        source.startswith((".", "/", "~"))
+    return (
+        source.endswith((".jsonl", ".json", ".parquet"))
+        or Path(source).exists()
+        or "/" in source
+        and (source.startswith((".", "/", "~")))
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import queue
@@ -11,11 +10,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
+from ._imports import resolve_callable
 from .data import as_messages, check_columns, check_source, load_prompts
 from .metrics import MetricWindow
 from .progress import RolloutProgress
@@ -63,7 +62,9 @@ class GRPODataModule(pl.LightningDataModule):
         vllm_server_url: the vLLM server for `generator="vllm"`.
         num_generations: completions per prompt (the group size).
         max_completion_length: tokens per completion.
-        temperature, top_p, top_k: sampling; the loss divides logits by the same temperature.
+        temperature: sampling temperature; the loss divides the policy's logits by the same temperature.
+        top_p: nucleus sampling mass kept, in (0, 1].
+        top_k: tokens kept by rank when sampling; 0 keeps all.
         epochs: passes over the prompts; the run ends when `epochs * len(dataset)` groups are consumed.
         seed: shuffles each epoch's prompt order.
         max_staleness: how many policy versions a group may lag when it trains; generation is paced to stay within
@@ -147,8 +148,9 @@ class GRPODataModule(pl.LightningDataModule):
         """Load and check the prompts, tokenizer and reward functions; nothing is spawned here."""
         if self.train_prompts is not None:
             return
-        self.train_prompts = load_prompts(self.dataset_source, size=self.hparams.dataset_size,
-                                          seed=self.hparams.dataset_seed)
+        self.train_prompts = load_prompts(
+            self.dataset_source, size=self.hparams.dataset_size, seed=self.hparams.dataset_seed
+        )
         check_columns(self.train_prompts, {"prompt"}, source=f"dataset={self.dataset_source!r}")
         self.val_prompts = self._load_val_prompts()
         self.tokenizer = self._load_tokenizer()
@@ -290,7 +292,9 @@ class GRPODataModule(pl.LightningDataModule):
 
     def _prompt_token_ids(self) -> list[list[int]]:
         return [
-            self.tokenizer.apply_chat_template(as_messages(row["prompt"]), add_generation_prompt=True, return_dict=False)
+            self.tokenizer.apply_chat_template(
+                as_messages(row["prompt"]), add_generation_prompt=True, return_dict=False
+            )
             for row in self.train_prompts
         ]
 
@@ -310,8 +314,9 @@ class GRPODataModule(pl.LightningDataModule):
         from .progress import ProgressCollator
 
         names = [_reward_name(f) for f in self.reward_funcs]
-        kwargs = dict(num_processes=self.trainer.world_size, pad_token_id=self.tokenizer.pad_token_id or 0,
-                      reward_names=names)
+        kwargs = dict(
+            num_processes=self.trainer.world_size, pad_token_id=self.tokenizer.pad_token_id or 0, reward_names=names
+        )
         if not scorers:
             return ProgressCollator(self.progress, **kwargs)
         from .scoring import ScoringCollator
@@ -433,30 +438,16 @@ class GRPODataModule(pl.LightningDataModule):
         self.close()
 
 
-def resolve_callable(spec: str | Callable, what: str) -> Callable:
-    """A callable, or the object an import path names (`"pkg.mod.func"` or `"pkg.mod:func"`).
-
-    Raises:
-        ValueError: the path does not name an importable callable (the message names the path and why).
-    """
-    if callable(spec):
-        return spec
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"`{what}` entry {spec!r} is neither a callable nor an import path like 'pkg.module.func'.")
-    module_name, sep, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
-    try:
-        value = getattr(importlib.import_module(module_name), attr) if sep and attr else None
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"`{what}` entry {spec!r} cannot be imported: {error}") from error
-    if not callable(value):
-        raise ValueError(f"`{what}` entry {spec!r} does not name a callable; use 'pkg.module.func'.")
-    return value
-
-
 def _validate_options(hp: Any) -> None:
     problems = []
-    for name in ("num_generations", "max_completion_length", "epochs", "gradient_accumulation_steps", "val_size",
-                 "val_batch_size"):
+    for name in (
+        "num_generations",
+        "max_completion_length",
+        "epochs",
+        "gradient_accumulation_steps",
+        "val_size",
+        "val_batch_size",
+    ):
         if hp[name] < 1:
             problems.append(f"{name}={hp[name]} (must be at least 1)")
     if hp.num_generations < 2:
@@ -490,5 +481,3 @@ def _eos_ids(tokenizer: Any, policy: Any) -> list[int]:
 
 def _identity(item: Any) -> Any:
     return item
-
-

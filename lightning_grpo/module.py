@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 
+from ._imports import import_object
 from .batch import StepBatch
 from .loss import LossStats, grpo_loss, packed_logprobs
 
@@ -36,7 +37,7 @@ class GRPOModule(pl.LightningModule):
     Args:
         model: the policy: a name or path for `lightning_grpo.models.load_policy` (`"tiny-random"`,
             `"smollm2-135m-instruct"`, a local folder, a Hub id) or an `nn.Module` (a transformers causal LM).
-        learning_rate: AdamW's learning rate (override the optimizer entirely with LightningCLI's `--optimizer`).
+        learning_rate: AdamW's learning rate.
         weight_decay: AdamW's weight decay.
         betas: AdamW's betas.
         warmup_steps: linear warm-up of the learning rate over this many optimizer steps, then constant.
@@ -44,8 +45,10 @@ class GRPOModule(pl.LightningModule):
         epsilon: lower clip range of the ratio (`1 - epsilon`).
         epsilon_high: upper clip range (`1 + epsilon_high`); default `epsilon` (DAPO uses 0.28).
         scorers: `TrainerScorer`s that add reward columns on the trainer (reward models, EBFT); their groups'
-            advantages are computed here.
-        reward_weights: with scorers, one weight per column: the rollout's reward functions, then the scorers.
+            advantages are computed here. An entry may be an instance, or an import path (`"pkg.mod.make_scorer"`)
+            of an instance or of a factory called without arguments.
+        scorer_weights: one weight per scorer column (default 1 each); the rollout columns keep the data module's
+            `reward_weights`.
         dtype: the policy's dtype when loaded by name.
         val_max_tokens: tokens per greedy validation completion; default the data module's `max_completion_length`.
 
@@ -67,7 +70,7 @@ class GRPOModule(pl.LightningModule):
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
         scorers: Sequence[Any] | None = None,
-        reward_weights: list[float] | None = None,
+        scorer_weights: list[float] | None = None,
         dtype: Literal["float32", "bfloat16"] = "float32",
         val_max_tokens: int | None = None,
     ) -> None:
@@ -78,14 +81,21 @@ class GRPOModule(pl.LightningModule):
         if max_grad_norm is not None and not max_grad_norm > 0:
             problems.append(f"max_grad_norm={max_grad_norm}")
         if problems:
-            raise ValueError(f"`GRPOModule({', '.join(problems)})`: learning_rate, epsilon and max_grad_norm must be "
-                             "positive, warmup_steps at least 0.")
+            raise ValueError(
+                f"`GRPOModule({', '.join(problems)})`: learning_rate, epsilon and max_grad_norm must be "
+                "positive, warmup_steps at least 0."
+            )
         self.save_hyperparameters(ignore=["model", "scorers"])
         self.model_name = model if isinstance(model, str) else None
         self.policy: Any = model if isinstance(model, torch.nn.Module) else None
-        self.scorers = list(scorers or [])
+        self.scorers = [_resolve_scorer(scorer) for scorer in scorers or []]
+        if scorer_weights is not None and len(scorer_weights) != len(self.scorers):
+            raise ValueError(
+                f"`GRPOModule(scorer_weights={scorer_weights})` needs one weight per scorer ({len(self.scorers)})."
+            )
         self.automatic_optimization = False
         self._step_started: float | None = None
+        self._generate_attention: str | None = None
 
     # -- model ------------------------------------------------------------------------------------------------------
 
@@ -95,6 +105,10 @@ class GRPOModule(pl.LightningModule):
 
             self.policy = load_policy(self.model_name, dtype=getattr(torch, self.hparams.dtype))
         self.policy.train()  # loaders return eval mode; Lightning switches to eval and back around validation
+        # Training switches the policy to tree attention; greedy validation batches use the loaded implementation.
+        if self._generate_attention is None:
+            loaded = self.policy.config._attn_implementation
+            self._generate_attention = loaded if loaded and not loaded.startswith("tree") else "sdpa"
         for scorer in self.scorers:
             if isinstance(scorer, torch.nn.Module):
                 scorer.to(self.device)
@@ -144,7 +158,7 @@ class GRPOModule(pl.LightningModule):
             self,
             batch,
             scorers=self.scorers,
-            reward_weights=self.hparams.reward_weights,
+            reward_weights=self._column_weights(len(batch.reward_names)),
             aggregation=hp.multi_objective_aggregation,
             scale_rewards=hp.scale_rewards,
             mask_truncated_completions=hp.mask_truncated_completions,
@@ -153,6 +167,10 @@ class GRPOModule(pl.LightningModule):
         )
         if scored is not None and scored.metrics:
             self.log_dict(scored.metrics, rank_zero_only=True, on_step=True, on_epoch=False)
+
+    def _column_weights(self, num_rollout_columns: int) -> list[float]:
+        rollout = self.trainer.datamodule.hparams.reward_weights or [1.0] * num_rollout_columns
+        return [*rollout, *(self.hparams.scorer_weights or [1.0] * len(self.scorers))]
 
     def training_step(self, batch: StepBatch, batch_idx: int) -> None:
         optimizer = self.optimizers()
@@ -245,16 +263,34 @@ class GRPOModule(pl.LightningModule):
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         policy = self.policy
         previous = policy.config._attn_implementation
-        policy.set_attn_implementation("sdpa")  # a padded batch, not a packed trie
+        policy.set_attn_implementation(self._generate_attention)  # a padded batch, not a packed trie
         try:
             out = policy.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=pad,
                 eos_token_id=tokenizer.eos_token_id,
             )
         finally:
             policy.set_attn_implementation(previous)
         texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
         return [[{"role": "assistant", "content": text}] for text in texts]
+
+
+def _resolve_scorer(scorer: Any) -> Any:
+    """A scorer instance, from an instance or an import path of an instance or of a zero-argument factory."""
+    from .scoring import TrainerScorer
+
+    if not isinstance(scorer, str):
+        return scorer
+    value = import_object(scorer, "scorers")
+    if not isinstance(value, TrainerScorer) and callable(value):
+        value = value()
+    if not isinstance(value, TrainerScorer):
+        raise ValueError(f"`scorers` entry {scorer!r} did not give a TrainerScorer but a {type(value).__name__}.")
+    return value
 
 
 def _is_number(value: Any) -> bool:

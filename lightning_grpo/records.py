@@ -30,7 +30,9 @@ class RolloutSample:
     completion: Messages | str
     input_ids: np.ndarray  # (T,) int64: prompt + completion tokens
     completion_mask: np.ndarray  # (T,) int64: 1 = train this token, 0 = prompt or other context
-    old_log_probs: np.ndarray  # (T,) float32: generator logprob of each token under its sampling distribution, 0 on context
+    old_log_probs: (
+        np.ndarray
+    )  # (T,) float32: generator logprob of each token under its sampling distribution, 0 on context
     advantage: float  # NaN while pending (trainer-scored groups); 0.0 exactly when the group has no learning signal
     model_version: int  # policy version the group started generating with
     group_id: int  # scheduled group id (see `GroupSchedule`); one prompt drawn once

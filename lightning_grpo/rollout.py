@@ -8,6 +8,7 @@ admission, and an embedded CPU generator besides TRL's vLLM HTTP path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -95,9 +96,12 @@ class GRPORolloutLoop(_AsyncRolloutLoop):
         trainer_scored: leave advantages pending for trainer scorers.
         reward_timeout: wall-clock seconds one reward call may take before it scores NaN.
         generator: `None` for TRL's vLLM HTTP path, or an embedded-generator spec (see `generation.py`).
-        epochs, seed, shuffle: the group schedule.
+        epochs: passes over the prompts in the group schedule.
+        seed: seeds each epoch's prompt order.
+        shuffle: False keeps dataset order in every epoch.
         consumed: group ids to skip (consumed by an earlier run).
-        groups_per_step, max_staleness: pacing; `groups_per_step=None` disables it.
+        groups_per_step: prompt groups per optimizer step, the pacing unit; None disables pacing.
+        max_staleness: policy versions a group may lag when it trains; pacing keeps groups within it.
         **kwargs: TRL's `_AsyncRolloutLoop` arguments (model_name, dataset, reward_funcs, processing_class,
             eos_token_ids, num_generations, max_inflight_tasks, max_tokens, temperature, top_p, top_k, ...).
     """
@@ -136,8 +140,9 @@ class GRPORolloutLoop(_AsyncRolloutLoop):
         self._weights = self._validated_weights(reward_weights)
         self._aggregation = multi_objective_aggregation
         self._scale_rewards = "none" if scale_rewards == "batch" else scale_rewards
-        compute_group_advantages(np.zeros((len(self._weights), 2)), self._weights, multi_objective_aggregation,
-                                 self._scale_rewards)  # fail at start-up on a bad option, not on the first group
+        compute_group_advantages(
+            np.zeros((len(self._weights), 2)), self._weights, multi_objective_aggregation, self._scale_rewards
+        )  # fail at start-up on a bad option, not on the first group
         self._trainer_scored = trainer_scored
         self._reward_timeout = reward_timeout
         self._schedule = GroupSchedule(len(self.dataset), epochs=epochs, seed=seed, shuffle=shuffle)
@@ -233,10 +238,8 @@ class GRPORolloutLoop(_AsyncRolloutLoop):
                 task.cancel()
             if inflight:
                 await asyncio.gather(*inflight, return_exceptions=True)
-            try:
+            with contextlib.suppress(asyncio.QueueFull):
                 self._groups_to_score.put_nowait(None)
-            except asyncio.QueueFull:
-                pass
 
     def _start_group(self, group_id: int, inflight: dict[asyncio.Task, int]) -> tuple[RolloutGroup, list[_Rollout]]:
         row = self.dataset[self._schedule.prompt_index(group_id)]
@@ -296,7 +299,9 @@ class GRPORolloutLoop(_AsyncRolloutLoop):
             if environment is not None:
                 self._environment_pool[env_name].append(environment)
         version = min(versions) if versions else None
-        return _Rollout(prompt, completion, completion_ids, sequences, calls, failures, rollout_reward, env_reward, version)
+        return _Rollout(
+            prompt, completion, completion_ids, sequences, calls, failures, rollout_reward, env_reward, version
+        )
 
     async def _draw_environment(self, name: Any, row: dict[str, Any]) -> tuple[Any, Any]:
         if self.environment_factories is None:
@@ -397,8 +402,9 @@ class GRPORolloutLoop(_AsyncRolloutLoop):
             result = await asyncio.wait_for(call, timeout=self._reward_timeout)
         except TimeoutError:
             self._counters["reward/timeouts_total"] += 1
-            log.warning("reward %s timed out after %.1f s; its rewards are NaN", get_callable_name(func),
-                        self._reward_timeout)
+            log.warning(
+                "reward %s timed out after %.1f s; its rewards are NaN", get_callable_name(func), self._reward_timeout
+            )
             return [None] * size
         except Exception:
             self._counters["reward/errors_total"] += 1
@@ -406,8 +412,12 @@ class GRPORolloutLoop(_AsyncRolloutLoop):
             return [None] * size
         if not isinstance(result, list | tuple) or len(result) != size:
             self._counters["reward/errors_total"] += 1
-            log.error("reward %s returned %r, not one reward per completion (%d); its rewards are NaN",
-                      get_callable_name(func), result, size)
+            log.error(
+                "reward %s returned %r, not one reward per completion (%d); its rewards are NaN",
+                get_callable_name(func),
+                result,
+                size,
+            )
             return [None] * size
         return list(result)
 
@@ -432,7 +442,11 @@ class GRPORolloutLoop(_AsyncRolloutLoop):
         rows = sum(len(sequences) for sequences in group.completions_sequences)
         extras = {}
         if self._trainer_scored:
-            payload = {"rows": rows, "columns": list(self.reward_func_names), "payload": self._trainer_score_payload(group)}
+            payload = {
+                "rows": rows,
+                "columns": list(self.reward_func_names),
+                "payload": self._trainer_score_payload(group),
+            }
             extras[SCORE_PAYLOAD] = payload
         eos = set(self.eos_token_ids)
         samples = []

@@ -33,7 +33,8 @@ class RolloutPipeline:
         planner_kwargs: `StepPlanner` arguments other than `dataset` and `progress`.
         collator: a `ProgressCollator` (or `ScoringCollator`) built on the same `progress`.
         model_version: the trainer's current policy version, for the staleness check.
-        max_staleness, mask_truncated_completions: `SampleFilterQueue` options.
+        max_staleness: policy versions a group may lag when it trains (`SampleFilterQueue`).
+        mask_truncated_completions: drop fully truncated groups, mask truncated samples (`SampleFilterQueue`).
         heartbeat_timeout: seconds without a heartbeat after which the rollout child counts as hung.
         metrics: the sink the pipeline's stages append to.
     """

@@ -148,7 +148,9 @@ def test_property_invariant_to_adding_a_constant_reward(case, constant, weight):
     scored = ~np.all(np.isnan(rewards_per_func), axis=0)
     extra = np.where(scored, constant, np.nan)[None, :]
     _, before = compute_group_advantages(rewards_per_func, weights, aggregation, scale)
-    _, after = compute_group_advantages(np.vstack([rewards_per_func, extra]), np.append(weights, weight), aggregation, scale)
+    _, after = compute_group_advantages(
+        np.vstack([rewards_per_func, extra]), np.append(weights, weight), aggregation, scale
+    )
     # The shift can merge values that differed only by rounding noise (before: +-0.7 from 1e-16 apart); skip those.
     signal_spread = np.ptp(np.nansum(weights[:, None] * rewards_per_func, axis=0)[scored]) if scored.any() else 0
     assume(signal_spread == 0 or signal_spread > 1e-6 or aggregation == "normalize_then_sum")

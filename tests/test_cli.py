@@ -7,23 +7,19 @@ the command in-process through `lightning_grpo.cli.main`/`cli`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import multiprocessing.process
-import os
-import signal
 import subprocess
 import sys
-import time
 from importlib.resources import files
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
-from lightning_grpo.callbacks import GRPOProgressBar
-from test_fit_processes import session_processes
+from processes import run_in_session
 
+from lightning_grpo.callbacks import GRPOProgressBar
 from lightning_grpo.cli import cli, main
 
 CONFIGS = files("lightning_grpo.configs")  # the installed package data, as the command finds it
@@ -32,28 +28,7 @@ MAIN_JOB = str(CONFIGS / "arithmetic.yaml")
 
 
 def run_command(args: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
-    """Run `args` in its own process session; return its exit code and output. Fails on a hang or a process of the
-    session (the rollout child, a reward worker) that outlives the command."""
-    log = cwd / "log.txt"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    with log.open("w") as log_file:
-        process = subprocess.Popen(
-            args, cwd=cwd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
-    try:
-        code = process.wait(timeout=timeout)
-        deadline = time.monotonic() + 15
-        while session_processes(process.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        leftovers = [(p.pid, " ".join(p.cmdline())[:120]) for p in session_processes(process.pid)]
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"`{' '.join(args)}` did not end within {timeout} s; log:\n{log.read_text()[-4000:]}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    output = log.read_text()
-    assert not leftovers, f"processes left behind: {leftovers}\n{output[-3000:]}"
-    return code, output
+    return run_in_session(args, log=cwd / "log.txt", timeout=timeout, cwd=cwd)
 
 
 @pytest.fixture

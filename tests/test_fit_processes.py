@@ -6,57 +6,22 @@ timeout; the test then checks that no process of that session is left (the rollo
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
+from processes import run_in_session
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_tiny.py"
 
 
-def session_processes(sid: int) -> list[psutil.Process]:
-    alive = []
-    for process in psutil.process_iter():
-        try:
-            if os.getsid(process.pid) == sid and process.status() != psutil.STATUS_ZOMBIE:
-                alive.append(process)
-        except (psutil.Error, ProcessLookupError, PermissionError):
-            pass
-    return alive
-
-
 def run_fit(out: Path, *args: str, timeout: float = 200) -> tuple[int, dict[int, dict]]:
-    """Run the script; return its exit code and each rank's result. Fails if a process of its session outlives it."""
+    """Run the script in its own session; return its exit code and each rank's result."""
     out.mkdir(parents=True, exist_ok=True)
-    log = out / "log.txt"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    with log.open("w") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, str(SCRIPT), "--out", str(out), *args],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
-        )
-    try:
-        code = process.wait(timeout=timeout)
-        deadline = time.monotonic() + 15
-        while session_processes(process.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        leftovers = [(p.pid, " ".join(p.cmdline())[:120]) for p in session_processes(process.pid)]
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the fit did not end within {timeout} s (a hang); log:\n{log.read_text()[-4000:]}")
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not leftovers, f"processes left behind: {leftovers}\n{log.read_text()[-3000:]}"
+    code, _ = run_in_session(
+        [sys.executable, str(SCRIPT), "--out", str(out), *args], log=out / "log.txt", timeout=timeout
+    )
     results = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in out.glob("rank*.json")}
     return code, results
 
@@ -99,8 +64,9 @@ def test_ddp_rollout_child_killed_mid_run_stops_both_ranks(tmp_path):
 @pytest.mark.timeout(400)
 def test_sigkilled_fit_resumed_from_checkpoint_trains_every_group_exactly_once(tmp_path):
     kill_at, prompts = 2, 8
-    code, first = run_fit(tmp_path / "run1", "--scenario", "kill_self", "--kill-at", str(kill_at),
-                          "--prompts", str(prompts))
+    code, first = run_fit(
+        tmp_path / "run1", "--scenario", "kill_self", "--kill-at", str(kill_at), "--prompts", str(prompts)
+    )
     assert code == -signal.SIGKILL
     trained_before = [g for step in first[0]["steps"][:kill_at] for g in step]
     ckpt = next((tmp_path / "run1" / "ckpt").glob(f"*step={kill_at}.ckpt"))

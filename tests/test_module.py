@@ -33,8 +33,15 @@ def test_fit_ends_by_itself_when_groups_are_consumed(tmp_path, no_leaked_process
     )
     module = GRPOModule("tiny-random", learning_rate=1e-3)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=-1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
     )
     trainer.fit(module, datamodule=datamodule)
     assert trainer.global_step == 3
@@ -49,19 +56,43 @@ def test_tiny_run_logs_trl_metric_names_with_sane_values(tmp_path, no_leaked_pro
     from lightning.pytorch.loggers import CSVLogger
 
     datamodule = GRPODataModule(
-        model="tiny-random", dataset=tiny_prompts(8), reward_funcs=[char_sum_reward], num_generations=4,
-        max_completion_length=8, samples_per_row=4, gradient_accumulation_steps=2,
+        model="tiny-random",
+        dataset=tiny_prompts(8),
+        reward_funcs=[char_sum_reward],
+        num_generations=4,
+        max_completion_length=8,
+        samples_per_row=4,
+        gradient_accumulation_steps=2,
     )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=-1, logger=CSVLogger(tmp_path), log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=-1,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
     metrics = pd.read_csv(next(tmp_path.rglob("metrics.csv")))
     last = {k: v for k, v in metrics.ffill().iloc[-1].items() if not (isinstance(v, float) and math.isnan(v))}
-    for name in ("reward", "reward_std", "rewards/char_sum_reward", "ratio", "kl", "entropy",
-                 "clip_ratio/region_mean", "sample/staleness_mean", "batch/packing_ratio", "perf/step_s",
-                 "rollout/generated_tok_s", "loss", "lr"):
+    for name in (
+        "reward",
+        "reward_std",
+        "rewards/char_sum_reward",
+        "ratio",
+        "kl",
+        "entropy",
+        "clip_ratio/region_mean",
+        "sample/staleness_mean",
+        "batch/packing_ratio",
+        "perf/step_s",
+        "rollout/generated_tok_s",
+        "loss",
+        "lr",
+    ):
         assert name in last, f"{name} not logged; logged: {sorted(last)}"
     assert 0 <= last["reward"] <= 1 and last["reward_std"] >= 0
     assert 0.5 < last["ratio"] < 2 and last["kl"] >= -1e-6 and last["entropy"] > 0

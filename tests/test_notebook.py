@@ -16,7 +16,7 @@ import nbformat
 import psutil
 import pytest
 from nbclient import NotebookClient
-from test_fit_processes import session_processes
+from processes import session_processes
 
 NOTEBOOK = Path(__file__).parents[1] / "notebooks" / "quickstart.ipynb"
 
@@ -26,7 +26,7 @@ def processes_left(kernel_pid: int, grace: float = 15) -> list[str]:
     lives as long as the kernel) still alive after `grace` seconds, described; they are killed."""
 
     def others() -> list[psutil.Process]:
-        return [p for p in session_processes(kernel_pid) if p.pid != kernel_pid and not _is_resource_tracker(p)]
+        return [p for p in session_processes(kernel_pid) if p.pid != kernel_pid]
 
     deadline = time.monotonic() + grace
     while others() and time.monotonic() < deadline:
@@ -36,13 +36,6 @@ def processes_left(kernel_pid: int, grace: float = 15) -> list[str]:
     for process in left:
         process.kill()
     return described
-
-
-def _is_resource_tracker(process: psutil.Process) -> bool:
-    try:
-        return "multiprocessing.resource_tracker" in " ".join(process.cmdline())
-    except psutil.Error:
-        return False
 
 
 def outputs(notebook: nbformat.NotebookNode) -> list[nbformat.NotebookNode]:

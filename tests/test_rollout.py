@@ -104,7 +104,7 @@ def test_groups_arrive_complete_scored_and_with_exact_logprobs(tiny_model, token
     try:
         groups = collect_groups(worker, 3)
         assert sorted(groups) == [0, 2, 3]  # the consumed id is skipped, every other id once
-        for group_id, samples in groups.items():
+        for samples in groups.values():
             assert len(samples) == samples[0].group_rows <= G
             rewards = np.array([[s.metrics["rewards/<lambda>"] for s in samples]])
             _, expected = compute_group_advantages(rewards, np.ones(1))
@@ -127,7 +127,9 @@ def test_groups_arrive_complete_scored_and_with_exact_logprobs(tiny_model, token
 
 
 @pytest.mark.timeout(180)
-def test_weight_push_switches_version_and_logprobs_follow_new_weights(tiny_model, tokenizer, transfer, no_leaked_processes):
+def test_weight_push_switches_version_and_logprobs_follow_new_weights(
+    tiny_model, tokenizer, transfer, no_leaked_processes
+):
     push(transfer, tiny_model, version=0)
     worker = start_worker(tiny_model, tokenizer, transfer, dataset=prompts(6), groups_per_step=1, max_staleness=0)
     new_model = copy.deepcopy(tiny_model)
@@ -159,7 +161,12 @@ def test_pacing_keeps_staleness_bounded_with_a_slow_consumer(tiny_model, tokeniz
     window = (max_staleness + 1) * groups_per_step
     push(transfer, tiny_model, version=0)
     worker = start_worker(
-        tiny_model, tokenizer, transfer, dataset=prompts(6), epochs=2, groups_per_step=groups_per_step,
+        tiny_model,
+        tokenizer,
+        transfer,
+        dataset=prompts(6),
+        epochs=2,
+        groups_per_step=groups_per_step,
         max_staleness=max_staleness,
     )
     version, consumed, staleness = 0, 0, []

@@ -1,0 +1,87 @@
+"""Process helpers for tests: descendants of this process, and commands run in their own process session."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+
+def is_resource_tracker(process: psutil.Process) -> bool:
+    """Python's multiprocessing resource tracker: started once, on first use of shared memory or a spawn context,
+    and kept for the interpreter's lifetime; not a leak."""
+    return "multiprocessing.resource_tracker" in " ".join(process.cmdline())
+
+
+def live_children() -> list[psutil.Process]:
+    """This process's live descendants, except zombies and the resource tracker."""
+    children = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.status() != psutil.STATUS_ZOMBIE and not is_resource_tracker(child):
+                children.append(child)
+    return children
+
+
+def wait_no_children(timeout: float = 10.0, ignore: frozenset[int] | set[int] = frozenset()) -> list[psutil.Process]:
+    """Wait until no descendant (other than those in `ignore`) is alive; return the ones left after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in live_children() if p.pid not in ignore]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def describe(process: psutil.Process) -> str:
+    try:
+        return f"{process.pid}: {' '.join(process.cmdline())[:200]}"
+    except psutil.Error:
+        return str(process.pid)
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    """Live processes of the process session `sid` (zombies and the resource tracker excluded)."""
+    alive = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
+            if (
+                os.getsid(process.pid) == sid
+                and process.status() != psutil.STATUS_ZOMBIE
+                and not is_resource_tracker(process)
+            ):
+                alive.append(process)
+    return alive
+
+
+def run_in_session(args: list[str], *, log: Path, timeout: float, cwd: Path | None = None) -> tuple[int, str]:
+    """Run `args` in its own process session with output to `log`; return the exit code and the output.
+
+    Fails the test on a hang (after `timeout` s) or when a process of the session (a rollout child, a reward worker,
+    a DDP rank) outlives the command by more than 15 s; the whole session is SIGKILLed in the end either way.
+    """
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    with log.open("w") as log_file:
+        process = subprocess.Popen(
+            args, cwd=cwd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+    try:
+        code = process.wait(timeout=timeout)
+        deadline = time.monotonic() + 15
+        while session_processes(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leftovers = [describe(p) for p in session_processes(process.pid)]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`{' '.join(args)}` did not end within {timeout} s (a hang); log:\n{log.read_text()[-4000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert not leftovers, f"processes left behind: {leftovers}\n{output[-3000:]}"
+    return code, output
