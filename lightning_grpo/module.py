@@ -143,7 +143,9 @@ class GRPOModule(pl.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
         if not isinstance(batch, StepBatch) or batch.stop:
-            return -1  # the stop item trains nothing; RolloutStopCallback already stopped or raised
+            # The stop item trains nothing. RolloutStopCallback set `should_stop` (or raised); letting the batch
+            # through, rather than returning -1, keeps the end-of-fit validation that `should_stop` allows.
+            return None
         self._step_started = self._step_started or time.perf_counter()
         if self.scorers:
             self._score(batch)
@@ -173,6 +175,8 @@ class GRPOModule(pl.LightningModule):
         return [*rollout, *(self.hparams.scorer_weights or [1.0] * len(self.scorers))]
 
     def training_step(self, batch: StepBatch, batch_idx: int) -> None:
+        if batch.stop:
+            return
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         started = time.perf_counter()

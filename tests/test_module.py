@@ -63,6 +63,8 @@ def test_tiny_run_logs_trl_metric_names_with_sane_values(tmp_path, no_leaked_pro
         max_completion_length=8,
         samples_per_row=4,
         gradient_accumulation_steps=2,
+        val_dataset=tiny_prompts(4),
+        val_size=4,
     )
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -73,7 +75,6 @@ def test_tiny_run_logs_trl_metric_names_with_sane_values(tmp_path, no_leaked_pro
         enable_checkpointing=False,
         enable_progress_bar=False,
         num_sanity_val_steps=0,
-        limit_val_batches=0,
     )
     trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
     metrics = pd.read_csv(next(tmp_path.rglob("metrics.csv")))
@@ -92,6 +93,7 @@ def test_tiny_run_logs_trl_metric_names_with_sane_values(tmp_path, no_leaked_pro
         "rollout/generated_tok_s",
         "loss",
         "lr",
+        "val/reward",  # the end-of-fit validation runs when the stream stops the run
     ):
         assert name in last, f"{name} not logged; logged: {sorted(last)}"
     assert 0 <= last["reward"] <= 1 and last["reward_std"] >= 0
