@@ -12,7 +12,8 @@ terms, `R` samples in the row, `C` rollout reward columns):
   samples).
 - `sample_uid` (R) int64: the sample's index in the step's sample list (`StepBatch.samples` on rank 0), -1 for a
   filler copy that trains no token and is not scored. Unique within the step across ranks and micro-batches.
-- `sample_group_id` (R) int64, `sample_truncated` (R) bool, `sample_trained_tokens` (R) int64.
+- `sample_group_id` (R) int64, `sample_truncated` (R) bool, `sample_trained_tokens` (R) int64, `sample_advantage`
+  (R) float32 (NaN while trainer scoring is pending).
 - `rollout_rewards` (R, C) float32: the rollout-side reward columns of each sample (NaN = not scored).
 - `step_trained_tokens` () float32: loss terms of the whole optimizer step over all ranks and micro-batches, the
   loss normalizer (a true token mean per optimizer step). `score_step` rewrites it when it masks samples.

@@ -505,6 +505,8 @@ class ProgressCollator:
         batch["sample_uid"] = torch.tensor([d["uid"] for d in samples], dtype=torch.int64)
         batch["sample_group_id"] = torch.tensor([d["group_id"] for d in samples], dtype=torch.int64)
         batch["sample_truncated"] = torch.tensor([bool(d["truncated"]) for d in samples], dtype=torch.bool)
+        # NaN while trainer scoring is pending; score_step reads it for samples that have no loss term
+        batch["sample_advantage"] = torch.tensor([float(d["advantage"]) for d in samples], dtype=torch.float32)
         # a token trains off its predecessor, so the first token never does (as in `TreeRow.pack`)
         trained = [int(np.asarray(d["completion_mask"])[1:].sum()) for d in samples]
         batch["sample_trained_tokens"] = torch.tensor(trained, dtype=torch.int64)

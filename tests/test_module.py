@@ -100,3 +100,36 @@ def test_tiny_run_logs_trl_metric_names_with_sane_values(tmp_path, no_leaked_pro
     assert 0.5 < last["ratio"] < 2 and last["kl"] >= -1e-6 and last["entropy"] > 0
     assert 0 <= last["clip_ratio/region_mean"] <= 1 and last["sample/staleness_mean"] >= 0
     assert last["batch/packing_ratio"] >= 1 and metrics["rollout/generated_tok_s"].max() > 0
+
+
+@pytest.mark.timeout(240)
+def test_fit_with_a_trainer_scorer_scores_every_pending_group(tmp_path, no_leaked_processes):
+    """The rollout child leaves advantages pending; a reward model on the trainer scores each step before it trains."""
+    from packed_rows import tiny_reward_model
+
+    from lightning_grpo.scorers import RewardModelScorer
+
+    datamodule = GRPODataModule(
+        model="tiny-random",
+        dataset=tiny_prompts(6),
+        reward_funcs=[char_sum_reward],
+        num_generations=4,
+        max_completion_length=8,
+        samples_per_row=4,
+    )
+    module = GRPOModule("tiny-random", scorers=[RewardModelScorer(tiny_reward_model(), name="rm")], learning_rate=1e-3)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=datamodule)
+    progress = datamodule.progress
+    assert progress.trained_total > 0
+    assert progress.trained_total + sum(progress.dropped.values()) + sum(progress.excluded.values()) == 6
+    assert trainer.global_step == progress.trained_total  # one group per step here

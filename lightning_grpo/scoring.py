@@ -1,0 +1,500 @@
+"""Scoring rollouts on the trainer: rewards that need the trainer's device (reward models, EBFT feature networks).
+
+With trainer scorers the rollout child scores only its own reward columns and leaves each sample's advantage NaN
+(pending). The planner keeps every group inside one optimizer step, and `score_step`, called on every rank before
+the step trains, runs each scorer's forward on the rank's micro-batches, all-gathers the features, computes the
+groups' rewards and advantages and writes them into the micro-batches. Samples that carry no gradient (zero
+advantage, or truncated under `mask_truncated_completions`) are taken out of the loss and of its normalizer, which is
+what dropping them before packing would have done.
+
+A scorer's life in one step (see `TrainerScorer`): `group_extras` (rank 0, planning) -> `collate` (rank 0, packing;
+its inputs travel in each micro-batch under `s{index}_` keys) -> `features` (every rank, every chunk) ->
+`group_rewards` (every rank, on the gathered features).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .advantages import Aggregation, ScaleRewards, compute_group_advantages
+from .batch import MicroBatch, StepBatch
+from .packing import chunk_inputs
+from .progress import ProgressCollator
+
+if TYPE_CHECKING:
+    from .planner import ScoredRow
+    from .progress import RolloutProgress
+    from .records import RolloutSample
+
+#: `features` uids above this bound are samples; extras are encoded below -1 (see `extra_uid`); -1 is a filler.
+FILLER_UID = -1
+_EXTRAS_PER_GROUP = 1 << 16
+
+
+def extra_uid(group_id: int, index: int) -> int:
+    """The uid `features` reports for a group extra: `GroupExtra(group_id=..., index=...)` -> a negative int < -1."""
+    if not 0 <= index < _EXTRAS_PER_GROUP or group_id < 0:
+        raise ValueError(f"`extra_uid(group_id={group_id}, index={index})`: need group_id >= 0 and 0 <= index < 65536.")
+    return -2 - (group_id * _EXTRAS_PER_GROUP + index)
+
+
+def decode_extra_uid(uid: int) -> tuple[int, int]:
+    """`(group_id, index)` of an `extra_uid`."""
+    return divmod(-2 - uid, _EXTRAS_PER_GROUP)
+
+
+class TrainerScorer(ABC):
+    """One reward column computed on the trainer from a group's samples.
+
+    `group_extras` and `collate` run on rank 0 while steps are planned and packed; `features` runs on every rank for
+    every micro-batch, so it may run collective forwards (FSDP); `group_rewards` runs on every rank, on the gathered
+    features. The scorer's column joins the rollout's reward columns (after them, in scorer order) in
+    `compute_group_advantages`, with its weight in `reward_weights`.
+
+    Attributes:
+        name: the reward column's name (in logs: `rewards/<name>`).
+    """
+
+    name: str = "trainer_score"
+
+    def group_extras(self, samples: list[RolloutSample]) -> list[Any]:
+        """Sequences scored with a group but not trained, e.g. a reference answer (rank 0, planning time).
+
+        The planner stores each as `GroupExtra(scorer, group_id, index, value)` in one of the group's rows' `extras`;
+        `collate` reads them back. Default: none.
+        """
+        return []
+
+    @abstractmethod
+    def collate(
+        self, rows: list[ScoredRow], index: int
+    ) -> tuple[list[dict[str, torch.Tensor]], dict[str, int | float]]:
+        """Per-row input tensors for `features` and their padding values (rank 0).
+
+        `rows` are one micro-batch's rows (row r goes to rank r); `index` is this scorer's position, which marks its
+        entries in `row.extras`. Every row must yield input for `features`, also when it holds only filler samples
+        (uid -1), so that collective forwards line up across ranks. Keys prefixed `c{j}_` split a row into chunks,
+        each scored by its own `features` call; every row of a micro-batch must then have the same number of chunks,
+        for the same reason. `packing.collate_sequences` does all of this for token sequences.
+
+        Returns:
+            `(inputs, pad_values)`: one dict of 1-D tensors per row, and the value to pad each key with.
+        """
+
+    @abstractmethod
+    def features(self, module: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(uids, features)` of the sequences in one rank's chunk of a micro-batch (every rank).
+
+        `module` is the LightningModule (for its device). `uids` (n,) int64 names each sequence: its `sample_uid`
+        for a sample, `extra_uid(group_id, index)` for a group extra, -1 for a filler (ignored); `features` is
+        `(n, ...)`. Runs under `torch.no_grad()`.
+        """
+
+    @abstractmethod
+    def group_rewards(
+        self, sample_features: torch.Tensor, extra_features: torch.Tensor
+    ) -> tuple[torch.Tensor | np.ndarray, dict[str, float]]:
+        """Rewards of a group's samples, and metrics to average over groups (every rank).
+
+        Args:
+            sample_features: `(G, ...)` the group's samples, in `sample_uid` order.
+            extra_features: `(E, ...)` the group's extras, in `group_extras` order (E may be 0).
+
+        Returns:
+            `(rewards, metrics)`: `(G,)` rewards, NaN where not scored, and floats averaged over the step's groups.
+        """
+
+
+class ScoringCollator(ProgressCollator):
+    """TRL's collator plus what `score_step` needs on every rank.
+
+    `ProgressCollator`'s packed rows (with the samples' uids, truncation flags and rollout reward columns), plus
+    each scorer's `collate(rows, index)` output under `s{index}_` keys of the rank's micro-batch. Rows are not padded
+    across ranks: each rank receives its own dicts.
+
+    Args:
+        progress: the run's `RolloutProgress`.
+        recorder: called on rank 0 with each `StepPlan` before it is packed (e.g. to keep the prompts and
+            completions an `on_rollouts_scored` hook reads); None records nothing.
+        scorers: the trainer scorers, in `s{index}_` order (the planner's `scorers`).
+        **kwargs: `ProgressCollator`'s `num_processes`, `pad_token_id` and `reward_names`.
+    """
+
+    def __init__(
+        self,
+        progress: RolloutProgress | None = None,
+        recorder: Any = None,
+        scorers: Sequence[TrainerScorer] = (),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(progress, **kwargs)
+        self.recorder = recorder
+        self.scorers = list(scorers)
+
+    def __call__(self, item: Any) -> list[StepBatch]:
+        if self.recorder is not None and not isinstance(item, Exception):
+            self.recorder(item)
+        return super().__call__(item)
+
+    def collate_micro_batch(self, rows: list[ScoredRow]) -> list[MicroBatch]:
+        batches = super().collate_micro_batch(rows)
+        for index, scorer in enumerate(self.scorers):
+            inputs, _ = scorer.collate(rows, index)
+            if len(inputs) != len(rows):
+                raise ValueError(
+                    f"{type(scorer).__name__}.collate returned inputs for {len(inputs)} rows, not {len(rows)}: every "
+                    "row (filler rows too) must get input, so that collective forwards line up across ranks."
+                )
+            for batch, row_inputs in zip(batches, inputs, strict=True):
+                batch.update({f"s{index}_{key}": value for key, value in row_inputs.items()})
+        return batches
+
+
+@dataclass(slots=True)
+class ScoredStep:
+    """What `score_step` computed for the step's pending groups, for the `on_rollouts_scored` hook and logging.
+
+    Attributes:
+        reward_names: the columns: the rollout's (`StepBatch.reward_names`), then one per scorer.
+        uids: `(U,)` the scored samples' `sample_uid`s, ascending (index `StepBatch.samples` on rank 0).
+        rewards: `(U, C)` each sample's reward columns; NaN = not scored.
+        advantages: `(U,)` each sample's advantage.
+        trained: `(U,)` whether the sample stayed in the loss.
+        group_ids: the scored groups; `excluded_group_ids` those of them that train nothing.
+        metrics: `scoring/*` counts and `rewards/<scorer>` means.
+    """
+
+    reward_names: list[str]
+    uids: np.ndarray
+    rewards: np.ndarray
+    advantages: np.ndarray
+    trained: np.ndarray
+    group_ids: list[int] = field(default_factory=list)
+    excluded_group_ids: list[int] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def score_step(
+    module: torch.nn.Module,
+    step: StepBatch,
+    *,
+    scorers: Sequence[TrainerScorer],
+    reward_weights: Sequence[float] | None = None,
+    aggregation: Aggregation = "sum_then_normalize",
+    scale_rewards: ScaleRewards = "group",
+    mask_truncated_completions: bool = False,
+    progress: RolloutProgress | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> ScoredStep | None:
+    """Score one optimizer step's micro-batches in place (see the module doc); call it on every rank.
+
+    Runs every scorer's `features` on this rank's micro-batches (one call per chunk), all-gathers uids, features and
+    per-sample data once, and for each pending group (advantage NaN) computes the scorers' columns, merges them with
+    the rollout columns and calls `compute_group_advantages`. Groups whose advantages are known pass through
+    untouched. In pending groups, a sample whose advantage is exactly 0, or that is truncated under
+    `mask_truncated_completions`, is taken out of the loss: its terms are removed from `token_index`,
+    `old_log_probs`, `advantages` and `segment_id`, and every micro-batch's `step_trained_tokens` becomes the step's
+    remaining term count. On rank 0, `progress.train` gets the scored groups that train and `progress.exclude` those
+    that do not (reason `"no_signal"`, or `"truncated"` when truncation masked samples that had a signal).
+
+    `scale_rewards="batch"` divides by the standard deviation of the learning signal over the step's pending groups.
+
+    Args:
+        module: passed to `scorer.features` (its device is where forwards run).
+        step: this rank's `StepBatch`; its micro-batches are changed in place.
+        scorers: the trainer scorers, in `s{index}_` order. With none, nothing happens and None is returned.
+        reward_weights: one weight per column: the rollout columns (`step.reward_names`), then the scorers.
+        aggregation, scale_rewards: as in `compute_group_advantages`.
+        mask_truncated_completions: also take truncated samples of scored groups out of the loss.
+        progress: rank 0's `RolloutProgress` (ignored on other ranks).
+        group: process group for the all-gather (default: the default group; a gloo side group keeps pickled
+            objects off NCCL). Without torch.distributed initialised, the world is this process.
+
+    Returns:
+        A `ScoredStep`, the same on every rank; None without scorers.
+
+    Raises:
+        ValueError: when `reward_weights` does not have one weight per column.
+        RuntimeError: when a scorer's `features` left out a sample of a pending group.
+    """
+    if not scorers:
+        return None
+    names = [*step.reward_names, *(scorer.name for scorer in scorers)]
+    weights = np.ones(len(names)) if reward_weights is None else np.asarray(reward_weights, dtype=np.float64)
+    if weights.shape != (len(names),):
+        raise ValueError(
+            f"`reward_weights` has {weights.size} weights, but the step has {len(names)} reward columns {names} "
+            "(the rollout's, then one per trainer scorer): pass one weight per column."
+        )
+    with torch.no_grad():
+        local = {
+            "samples": _local_samples(step.micro_batches, len(step.reward_names)),
+            "features": _local_features(module, step, scorers),
+        }
+    gathered = _all_gather(local, group)
+    table = _SampleTable.merge([g["samples"] for g in gathered])
+    features = [_merge_features([g["features"][k] for g in gathered]) for k in range(len(scorers))]
+    scored = _score_groups(table, features, scorers, weights, aggregation, scale_rewards, names)
+    scored.trained = _trains(table, scored, mask_truncated_completions)
+    _rewrite_micro_batches(step.micro_batches, table, scored)
+    scored.excluded_group_ids = [
+        g for g in scored.group_ids if not scored.trained[table.group_of(scored.uids) == g].any()
+    ]
+    _report(scored, table, progress, mask_truncated_completions)
+    return scored
+
+
+@dataclass(slots=True)
+class _SampleTable:
+    """Every rank's samples of the step, gathered: one entry per real sample (filler left out)."""
+
+    uid: np.ndarray  # (U,) sorted
+    group_id: np.ndarray
+    truncated: np.ndarray
+    terms: np.ndarray  # loss terms per sample
+    rewards: np.ndarray  # (U, C)
+    advantage: np.ndarray  # NaN: pending, or unknown (a sample without loss terms nor `sample_advantage`)
+
+    @classmethod
+    def merge(cls, parts: list[dict[str, np.ndarray]]) -> _SampleTable:
+        merged = {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+        keep = merged["uid"] >= 0
+        order = np.argsort(merged["uid"][keep], kind="stable")
+        return cls(**{key: value[keep][order] for key, value in merged.items()})
+
+    def group_of(self, uids: np.ndarray) -> np.ndarray:
+        return self.group_id[np.searchsorted(self.uid, uids)]
+
+    def pending_groups(self) -> list[int]:
+        """Groups with a NaN advantage on some sample and a number on none, in order of first uid."""
+        pending = dict.fromkeys(self.group_id[np.isnan(self.advantage)].tolist())
+        known = set(self.group_id[~np.isnan(self.advantage)].tolist())
+        return [g for g in pending if g not in known]
+
+
+def _local_samples(micro_batches: list[MicroBatch], num_columns: int) -> dict[str, np.ndarray]:
+    """Per-sample data of this rank's rows, as numpy arrays to gather."""
+    parts = defaultdict(list)
+    for mb in micro_batches:
+        num = mb["sample_uid"].numel()
+        segment = mb["segment_id"].long().cpu()
+        terms = torch.bincount(segment, minlength=num)
+        if "sample_advantage" in mb:
+            advantage = mb["sample_advantage"].float().cpu()
+        else:  # every term of a sample carries its advantage
+            advantage = torch.full((num,), math.nan).index_copy_(0, segment, mb["advantages"].float().cpu())
+        parts["uid"].append(mb["sample_uid"].cpu().numpy())
+        parts["group_id"].append(mb["sample_group_id"].cpu().numpy())
+        parts["truncated"].append(mb["sample_truncated"].cpu().numpy().astype(bool))
+        parts["terms"].append(terms.numpy())
+        parts["rewards"].append(mb["rollout_rewards"].float().cpu().numpy().reshape(num, num_columns))
+        parts["advantage"].append(advantage.numpy())
+    return {key: np.concatenate(value) for key, value in parts.items()}
+
+
+def _local_features(module: torch.nn.Module, step: StepBatch, scorers: Sequence[TrainerScorer]) -> list[dict]:
+    """Each scorer's `(uids, features)` over this rank's chunks, as numpy."""
+    out = []
+    for index, scorer in enumerate(scorers):
+        uids, feats = [], []
+        for mb in step.micro_batches:
+            for chunk in chunk_inputs(_scorer_inputs(mb, index)):
+                chunk_uids, chunk_features = scorer.features(module, chunk)
+                chunk_features = torch.as_tensor(chunk_features).detach().float().cpu()
+                uids.append(torch.as_tensor(chunk_uids).long().cpu().numpy().reshape(-1))
+                num = len(uids[-1])  # a chunk may report nothing (say, only fillers)
+                feats.append(chunk_features.reshape(num, -1).numpy() if num else np.zeros((0, 1), np.float32))
+        out.append({"uids": uids, "features": feats})
+    return out
+
+
+def _scorer_inputs(micro_batch: MicroBatch, index: int) -> dict[str, torch.Tensor]:
+    prefix = re.compile(rf"s{index}_(.+)")
+    return {m.group(1): value for key, value in micro_batch.items() if (m := prefix.fullmatch(key))}
+
+
+@dataclass(slots=True)
+class _Features:
+    """One scorer's gathered features: per sample uid, and per group its extras by index."""
+
+    samples: dict[int, np.ndarray]
+    extras: dict[int, dict[int, np.ndarray]]
+
+
+def _merge_features(parts: list[dict]) -> _Features:
+    """Every rank's `(uids, features)` chunks of one scorer, by uid (fillers dropped)."""
+    merged = _Features({}, defaultdict(dict))
+    for part in parts:
+        for uids, feats in zip(part["uids"], part["features"], strict=True):
+            for uid, feat in zip(uids.tolist(), feats, strict=True):
+                if uid > FILLER_UID:
+                    merged.samples[uid] = feat
+                elif uid < FILLER_UID:
+                    group_id, index = decode_extra_uid(uid)
+                    merged.extras[group_id][index] = feat
+    return merged
+
+
+def _all_gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _score_groups(
+    table: _SampleTable,
+    features: list[_Features],
+    scorers: Sequence[TrainerScorer],
+    weights: np.ndarray,
+    aggregation: Aggregation,
+    scale_rewards: ScaleRewards,
+    names: list[str],
+) -> ScoredStep:
+    """Columns and advantages of the pending groups (the same on every rank: gathered inputs, fixed order)."""
+    group_ids = table.pending_groups()
+    columns, uids, metric_values = [], [], defaultdict(list)
+    for group_id in group_ids:
+        members = table.uid[table.group_id == group_id]
+        rows = [table.rewards[np.searchsorted(table.uid, members)].T]
+        for scorer, scorer_features in zip(scorers, features, strict=True):
+            rewards, metrics = _scorer_column(scorer, scorer_features, members, group_id)
+            rows.append(rewards[None])
+            for key, value in metrics.items():
+                metric_values[f"scoring/{scorer.name}/{key}"].append(float(value))
+        columns.append(np.concatenate(rows).astype(np.float64))
+        uids.append(members)
+    batch_std = _batch_std(columns, weights, aggregation) if scale_rewards == "batch" else None
+    advantages = [
+        compute_group_advantages(c, weights, aggregation, scale_rewards, batch_std=batch_std)[1] for c in columns
+    ]
+    empty = np.zeros(0)
+    scored = ScoredStep(
+        reward_names=names,
+        uids=np.concatenate(uids) if uids else empty.astype(np.int64),
+        rewards=np.concatenate(columns, axis=1).T if columns else np.zeros((0, len(names))),
+        advantages=np.concatenate(advantages) if advantages else empty,
+        trained=empty.astype(bool),
+        group_ids=group_ids,
+    )
+    scored.metrics = {key: sum(values) / len(values) for key, values in metric_values.items()}
+    return scored
+
+
+def _scorer_column(
+    scorer: TrainerScorer, features: _Features, members: np.ndarray, group_id: int
+) -> tuple[np.ndarray, dict[str, float]]:
+    missing = [uid for uid in members.tolist() if uid not in features.samples]
+    if missing:
+        raise RuntimeError(
+            f"Trainer scorer {scorer.name!r} returned no features for samples {missing[:10]} of group {group_id}; "
+            "its `collate` must give every sample of a row to `features`, which must report each one's uid."
+        )
+    sample_features = torch.from_numpy(np.stack([features.samples[uid] for uid in members.tolist()]))
+    extras = features.extras.get(group_id, {})
+    if extras:
+        extra_features = torch.from_numpy(np.stack([extras[index] for index in sorted(extras)]))
+    else:
+        extra_features = sample_features.new_zeros((0, *sample_features.shape[1:]))
+    rewards, metrics = scorer.group_rewards(sample_features, extra_features)
+    rewards = np.asarray(torch.as_tensor(rewards, dtype=torch.float64).cpu(), dtype=np.float64).reshape(-1)
+    if rewards.shape != members.shape:
+        raise RuntimeError(
+            f"Trainer scorer {scorer.name!r}.group_rewards returned {rewards.size} rewards for a group of "
+            f"{members.size} samples; return one per sample (NaN = not scored)."
+        )
+    return rewards, metrics
+
+
+def _batch_std(columns: list[np.ndarray], weights: np.ndarray, aggregation: Aggregation) -> float:
+    """Standard deviation (ddof=1) of the learning signal over every scored sample of the step's pending groups.
+
+    That signal is the weighted reward for `sum_then_normalize`, as GRPOTrainer's `scale_rewards="batch"` takes it,
+    and the sum of per-group z-scores for `normalize_then_sum` (GDPO's batch normalization).
+    """
+    signal = []
+    for column in columns:
+        scored = ~np.all(np.isnan(column), axis=0)
+        if aggregation == "normalize_then_sum":
+            _, centred = compute_group_advantages(column, weights, aggregation, "none")
+            signal.append(centred[scored])
+        else:
+            signal.append(np.nansum(weights[:, None] * column, axis=0)[scored])
+    values = np.concatenate(signal) if signal else np.zeros(0)
+    return float(values.std(ddof=1)) if values.size > 1 else 0.0
+
+
+def _trains(table: _SampleTable, scored: ScoredStep, mask_truncated_completions: bool) -> np.ndarray:
+    index = np.searchsorted(table.uid, scored.uids)
+    keep = (scored.advantages != 0.0) & (table.terms[index] > 0)
+    if mask_truncated_completions:
+        keep &= ~table.truncated[index]
+    return keep
+
+
+def _rewrite_micro_batches(micro_batches: list[MicroBatch], table: _SampleTable, scored: ScoredStep) -> None:
+    """Write the scored advantages per loss term, drop the masked samples' terms, and reset the normalizer."""
+    advantage = dict(zip(scored.uids.tolist(), scored.advantages.tolist(), strict=True))
+    trained = dict(zip(scored.uids.tolist(), scored.trained.tolist(), strict=True))
+    masked_terms = int(table.terms[np.searchsorted(table.uid, scored.uids[~scored.trained])].sum())
+    total = float(table.terms.sum() - masked_terms)
+    for mb in micro_batches:
+        uids = mb["sample_uid"].tolist()
+        per_sample = torch.tensor([advantage.get(uid, math.nan) for uid in uids], dtype=torch.float32)
+        scored_here = torch.tensor([uid in advantage for uid in uids], dtype=torch.bool)
+        keep_sample = torch.tensor([trained.get(uid, True) for uid in uids], dtype=torch.bool)
+        segment = mb["segment_id"].long().cpu()
+        keep = keep_sample[segment]
+        values = torch.where(scored_here[segment], per_sample[segment], mb["advantages"].float().cpu())
+        device = mb["advantages"].device
+        mb["advantages"] = values[keep].to(device=device, dtype=mb["advantages"].dtype)
+        for key in ("token_index", "old_log_probs", "segment_id"):
+            mb[key] = mb[key][keep.to(mb[key].device)]
+        if "sample_advantage" in mb:
+            mb["sample_advantage"] = torch.where(scored_here, per_sample, mb["sample_advantage"].float().cpu()).to(
+                mb["sample_advantage"]
+            )
+        mb["step_trained_tokens"] = torch.tensor(total, dtype=torch.float32, device=mb["step_trained_tokens"].device)
+
+
+def _report(
+    scored: ScoredStep, table: _SampleTable, progress: RolloutProgress | None, mask_truncated_completions: bool
+) -> None:
+    """Count the step's scoring in `scored.metrics`; on rank 0 report the scored groups to `progress`."""
+    excluded = set(scored.excluded_group_ids)
+    index = np.searchsorted(table.uid, scored.uids)
+    scored.metrics.update(
+        {
+            "scoring/groups_total": float(len(scored.group_ids)),
+            "scoring/excluded_groups_total": float(len(excluded)),
+            "scoring/masked_samples_total": float((~scored.trained).sum()),
+            "scoring/masked_tokens_total": float(table.terms[index][~scored.trained].sum()),
+        }
+    )
+    for k, name in enumerate(scored.reward_names[table.rewards.shape[1] :], start=table.rewards.shape[1]):
+        values = scored.rewards[:, k]
+        values = values[~np.isnan(values)]
+        scored.metrics[f"rewards/{name}"] = float(values.mean()) if values.size else math.nan
+    if progress is None or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+        return
+    trained_groups = [g for g in scored.group_ids if g not in excluded]
+    if trained_groups:
+        progress.train(trained_groups)
+    group_of = table.group_of(scored.uids)
+    for group_id in scored.excluded_group_ids:
+        members = group_of == group_id
+        signal = scored.advantages[members] != 0.0
+        truncated = table.truncated[index][members]
+        reason = "truncated" if mask_truncated_completions and (signal & truncated).any() else "no_signal"
+        progress.exclude(group_id, reason)
