@@ -46,6 +46,8 @@ _EXPORTS = {
     "GeneratorSpec": "generation",
     "PolicySpec": "generation",
     "SharedMemoryWeightTransfer": "weight_transfer",
+    "VLLMServer": "vllm_server",
+    "VLLMHTTPWeightTransfer": "vllm_transfer",
     "register_tree_attention": "attention",
     "grpo_loss": "loss",
     "GRPOModule": "module",
@@ -72,6 +74,8 @@ if TYPE_CHECKING:
     from .schedule import GroupSchedule
     from .scorers import FeatureMatchingScorer, RewardModelScorer
     from .scoring import ScoringCollator, TrainerScorer, score_step
+    from .vllm_server import VLLMServer
+    from .vllm_transfer import VLLMHTTPWeightTransfer
     from .weight_transfer import SharedMemoryWeightTransfer
 
 

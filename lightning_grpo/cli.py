@@ -15,6 +15,7 @@ with exit code 2 and a message naming the value.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -107,7 +108,16 @@ def cli(args: list[str] | dict[str, Any] | None = None, *, run: bool = True) -> 
 
 
 def main(args: list[str] | None = None) -> None:
-    """The `lightning-grpo` console script (`args` instead of `sys.argv[1:]` when given); see `cli`."""
+    """The `lightning-grpo` console script (`args` instead of `sys.argv[1:]` when given); see `cli`.
+
+    `lightning-grpo vllm-serve --model NAME [--port 8000 ...]` starts a vLLM server for `generator="vllm"` from its
+    own environment (see `lightning_grpo.vllm_server`) and serves until Ctrl-C.
+    """
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["vllm-serve"]:
+        from .vllm_server import main as vllm_serve
+
+        raise SystemExit(vllm_serve(argv[1:]))
     cli(args)
 
 

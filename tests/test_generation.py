@@ -1,0 +1,225 @@
+"""The embedded generator: exact logprobs, stopping, sampling options, batching, a free event loop, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+
+import pytest
+import torch
+
+from lightning_grpo.generation import (
+    EmbeddedGenerator,
+    GeneratorSpec,
+    PolicySpec,
+    process_logits,
+    sample_from_logprobs,
+    teacher_forced_logprobs,
+)
+from lightning_grpo.models import tiny_llama
+
+# Prompts of different lengths, so a batch is left-padded.
+PROMPTS = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [2, 50, 51], [2, 60, 61, 62, 63, 64], [2, 70]]
+
+
+def generate_all(generator: EmbeddedGenerator, prompts, **kwargs):
+    """Send every prompt concurrently from one event loop; one batch."""
+
+    async def run():
+        return await asyncio.gather(*(generator.generate(p, **kwargs) for p in prompts))
+
+    return asyncio.run(run())
+
+
+def max_logprob_error(model, prompts, outputs, **sampling) -> float:
+    errors = []
+    for prompt, output in zip(prompts, outputs, strict=True):
+        reference = teacher_forced_logprobs(model, prompt, output.token_ids, **sampling)
+        errors.append((reference - torch.tensor(output.logprobs)).abs().max().item())
+    return max(errors)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_teacher_forced_forward_for_left_padded_batch(temperature):
+    reference = tiny_llama(seed=0)
+    with EmbeddedGenerator(
+        tiny_llama(seed=0), eos_token_ids=[], temperature=temperature, max_tokens=24, seed=0
+    ) as generator:
+        outputs = generate_all(generator, PROMPTS)
+        assert generator.metrics()["generation/batches_total"] == 1  # concurrent requests shared one batch
+    assert [len(o.token_ids) for o in outputs] == [24] * len(PROMPTS)
+    assert all(o.truncated and o.model_version == 0 for o in outputs)
+    assert max_logprob_error(reference, PROMPTS, outputs, temperature=temperature) <= 1e-4
+
+
+def test_sampled_tokens_stay_in_top_k_top_p_set_and_logprobs_are_renormalised():
+    sampling = {"temperature": 0.8, "top_k": 7, "top_p": 0.8}
+    reference = tiny_llama(seed=0)
+    with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], max_tokens=32, seed=1, **sampling) as generator:
+        outputs = generate_all(generator, PROMPTS)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        expected = teacher_forced_logprobs(reference, prompt, output.token_ids, **sampling)
+        assert torch.isfinite(expected).all()  # every sampled token is inside the kept set
+    assert max_logprob_error(reference, PROMPTS, outputs, **sampling) <= 1e-4
+    # a renormalised top-k/top-p logprob is above the plain tempered one whenever the cut removed mass
+    plain = torch.cat(
+        [teacher_forced_logprobs(reference, p, o.token_ids, 0.8) for p, o in zip(PROMPTS, outputs, strict=True)]
+    )
+    assert (torch.tensor([lp for o in outputs for lp in o.logprobs]) > plain + 1e-3).any()
+
+
+def test_process_logits_keeps_top_k_then_top_p_and_sums_to_one():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    logprobs = process_logits(logits, temperature=0.5, top_k=10, top_p=0.7)
+    probs = logprobs.exp()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+    for row in range(3):
+        kept = torch.isfinite(logprobs[row]).nonzero().flatten()
+        ranked = (logits[row] / 0.5).argsort(descending=True)
+        assert set(kept.tolist()) == set(ranked[: len(kept)].tolist())  # a prefix of the ranking
+        assert 1 <= len(kept) <= 10
+        top_k_probs = (logits[row] / 0.5)[ranked[:10]].softmax(-1)
+        mass = top_k_probs.cumsum(-1)
+        assert mass[len(kept) - 1] >= 0.7 and (len(kept) == 1 or mass[len(kept) - 2] < 0.7)  # the smallest such set
+        torch.testing.assert_close(logprobs[row, kept], torch.log(top_k_probs[: len(kept)] / mass[len(kept) - 1]))
+
+
+def test_sampler_draws_only_kept_tokens_with_their_probabilities():
+    logits = torch.tensor([[-3.0, 2.0, 1.0, 0.5, -1.0, 0.0]])
+    logprobs = process_logits(logits.expand(20000, -1), top_k=3)  # keeps ids 1, 2, 3
+    uniform = torch.rand(20000, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(sample_from_logprobs(logprobs, uniform), minlength=6).float() / 20000
+    assert counts[[0, 4, 5]].sum() == 0
+    torch.testing.assert_close(counts, logprobs[0].exp(), atol=0.015, rtol=0)
+    # the ends of [0, 1] (1.0 stands for a product rounded up to the total) land on the first and the last kept
+    # token, never on a dropped one
+    ends = sample_from_logprobs(logprobs[:3], torch.tensor([0.0, 1.0 - 2**-24, 1.0]))
+    assert ends.tolist() == [1, 3, 3]
+
+
+def test_each_completion_stops_at_its_first_eos_which_is_included():
+    seeds = list(range(len(PROMPTS)))
+    with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], max_tokens=30) as free:
+        unstopped = asyncio.run(_seeded(free, PROMPTS, seeds))
+    first = unstopped[0].token_ids
+    eos = next(t for i, t in enumerate(first) if i >= 3 and t not in first[:i])  # first occurrence at index >= 3
+    with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[eos], max_tokens=30) as stopping:
+        stopped = asyncio.run(_seeded(stopping, PROMPTS, seeds))
+    for full, out in zip(unstopped, stopped, strict=True):
+        if eos in full.token_ids:
+            end = full.token_ids.index(eos) + 1
+            assert out.token_ids == full.token_ids[:end] and not out.truncated
+        else:
+            assert out.token_ids == full.token_ids and out.truncated
+    assert stopped[0].token_ids[-1] == eos and len(stopped[0].token_ids) >= 4
+
+
+async def _seeded(generator, prompts, seeds):
+    return await asyncio.gather(*(generator.generate(p, seed=s) for p, s in zip(prompts, seeds, strict=True)))
+
+
+def test_seeded_request_gives_the_same_completion_alone_or_in_a_batch():
+    with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], max_tokens=16) as generator:
+        alone = asyncio.run(generator.generate(PROMPTS[1], seed=7))
+        batched = asyncio.run(_seeded(generator, PROMPTS, [1, 7, 2, 3]))[1]
+        other_seed = asyncio.run(generator.generate(PROMPTS[1], seed=8))
+    assert alone.token_ids == batched.token_ids
+    assert alone.token_ids != other_seed.token_ids
+
+
+def test_greedy_decoding_follows_the_argmax_of_a_full_forward():
+    reference = tiny_llama(seed=0)
+    with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], temperature=0.0, max_tokens=12) as generator:
+        output = generate_all(generator, PROMPTS[:1])[0]
+    ids = torch.tensor([PROMPTS[0] + output.token_ids])
+    with torch.no_grad():
+        logits = reference(ids).logits[0, len(PROMPTS[0]) - 1 : -1]
+    assert output.token_ids == logits.argmax(-1).tolist()
+
+
+def test_per_call_max_tokens_caps_only_that_call_and_finished_rows_leave_the_batch_exactly():
+    limits = [3, None, 7, 5]  # rows finish at different steps, so the batch (and its KV cache) shrinks twice
+    reference = tiny_llama(seed=0)
+    with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], max_tokens=20, seed=0) as generator:
+
+        async def run():
+            return await asyncio.gather(
+                *(generator.generate(p, max_tokens=n) for p, n in zip(PROMPTS, limits, strict=True))
+            )
+
+        outputs = asyncio.run(run())
+    assert [len(o.token_ids) for o in outputs] == [3, 20, 7, 5]
+    assert max_logprob_error(reference, PROMPTS, outputs) <= 1e-4
+
+
+@pytest.mark.timeout(60)
+def test_event_loop_keeps_ticking_during_a_long_generation():
+    with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], max_tokens=400, seed=0) as generator:
+
+        async def run():
+            gaps, last = [], time.perf_counter()
+            task = asyncio.gather(*(generator.generate(p) for p in PROMPTS * 4))
+            while not task.done():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+            await task
+            return gaps
+
+        gaps = asyncio.run(run())
+    assert sum(gaps) > 0.2, "the generation was too short to show anything"
+    assert max(gaps) < 0.25, f"the event loop stalled for {max(gaps):.3f} s"
+
+
+@pytest.mark.timeout(60)
+def test_close_fails_waiting_callers_and_stops_the_thread():
+    generator = EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], max_tokens=100_000)
+
+    async def run():
+        task = asyncio.ensure_future(generator.generate(PROMPTS[0]))
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(generator.close)
+        with pytest.raises(RuntimeError, match="closed"):
+            await task
+        with pytest.raises(RuntimeError, match="after `close"):
+            await generator.generate(PROMPTS[0])
+
+    asyncio.run(run())
+    assert not generator._thread.is_alive()
+
+
+def test_bad_prompts_are_rejected_with_the_bad_value():
+    with EmbeddedGenerator(tiny_llama(seed=0), max_tokens=4) as generator:
+        with pytest.raises(ValueError, match=r"prompt_ids=\[\]"):
+            asyncio.run(generator.generate([]))
+        with pytest.raises(ValueError, match="token id 100, outside the model's vocabulary"):
+            asyncio.run(generator.generate([2, 100]))
+        with pytest.raises(ValueError, match="max_tokens=0"):
+            asyncio.run(generator.generate([2], max_tokens=0))
+        assert len(asyncio.run(generator.generate([2])).token_ids) >= 1  # still serving
+
+
+def test_invalid_sampling_options_are_reported_together():
+    with pytest.raises(ValueError, match=r"temperature=-1.*top_p=0.*max_batch_size=0"):
+        EmbeddedGenerator(tiny_llama(seed=0), temperature=-1, top_p=0, max_batch_size=0)
+
+
+def test_model_without_weights_needs_a_weight_receiver():
+    with pytest.raises(ValueError, match="no `weight_receiver`"):
+        EmbeddedGenerator(PolicySpec.from_model(tiny_llama(seed=0)))
+
+
+def test_specs_pickle_small_and_build_the_named_model():
+    model = tiny_llama(seed=0)
+    config_spec = PolicySpec.from_model(model)
+    assert len(pickle.dumps(GeneratorSpec(config_spec))) < 4096
+    built = pickle.loads(pickle.dumps(config_spec)).build()
+    assert [(n, p.shape) for n, p in built.named_parameters()] == [(n, p.shape) for n, p in model.named_parameters()]
+    generator = GeneratorSpec(PolicySpec(name="tiny-random"), eos_token_ids=(3,), max_tokens=5).build()
+    with generator:
+        assert generator.eos_token_ids == {3}
+        torch.testing.assert_close(generator.model.state_dict(), model.state_dict())
+    with pytest.raises(ValueError, match="exactly one of"):
+        PolicySpec()
