@@ -356,7 +356,10 @@ class SampleFilterQueue:
         if reason is not None:
             log.info(
                 "Dropping group %d (%s): group version %d, policy version %d.",
-                group_id, reason, min(sample.model_version for sample in group), self.model_version(),
+                group_id,
+                reason,
+                min(sample.model_version for sample in group),
+                self.model_version(),
             )
             append_metric(self.metrics, f"progress/dropped_{reason}_total", 1.0)
             if self.progress is not None:
