@@ -11,9 +11,10 @@ held-out greedy accuracy before and after, the minutes the fit took and the peak
 
 from __future__ import annotations
 
+import contextlib
 import json
-import resource
 import sys
+import threading
 import time
 from importlib.resources import files
 from pathlib import Path
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--config" not in argv:
         argv = ["--config", DEFAULT_CONFIG, *argv]
-    command = cli(["fit", *argv], run=False)
+    memory = _PeakMemory()
+    command = cli(argv, run=False)
     trainer, module, datamodule = command.trainer, command.model, command.datamodule
 
     before = _accuracy(trainer.validate(module, datamodule=datamodule, verbose=False))
@@ -47,8 +49,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "fit_minutes": round(minutes, 2),
         "optimizer_steps": trainer.global_step,
         "groups_consumed": len(datamodule.progress.consumed),
-        "peak_rss_gb_trainer": _peak_rss_gb(resource.RUSAGE_SELF),
-        "peak_rss_gb_children": _peak_rss_gb(resource.RUSAGE_CHILDREN),
+        "peak_rss_gb": memory.stop(),
         "metrics_csv": str(log_dir / "metrics.csv"),
         "plot": str(log_dir / "reward.png"),
     }
@@ -93,8 +94,31 @@ def _accuracy(results: list[dict[str, float]]) -> float:
     return float(values[0]) if values else float("nan")
 
 
-def _peak_rss_gb(who: int) -> float:
-    return round(resource.getrusage(who).ru_maxrss / 1024**2, 2)  # ru_maxrss is in KiB on Linux
+class _PeakMemory:
+    """Samples the resident memory of this process and all its descendants (rollout child, reward workers)."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.peak = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(interval_s,), name="peak-memory", daemon=True)
+        self._thread.start()
+
+    def _sample(self, interval_s: float) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._done.wait(interval_s):
+            total = 0
+            for process in [me, *me.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    total += process.memory_info().rss
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> float:
+        """Stop sampling; the peak in GiB."""
+        self._done.set()
+        self._thread.join()
+        return round(self.peak / 1024**3, 2)
 
 
 if __name__ == "__main__":
