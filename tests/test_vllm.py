@@ -10,7 +10,6 @@ installed (`./scripts/setup_vllm.sh` installs it).
 from __future__ import annotations
 
 import copy
-import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 import requests
 import torch
 from datasets import Dataset
+from rollouts import collect_groups
 
 from lightning_grpo.generation import teacher_forced_logprobs
 from lightning_grpo.models import tiny_llama
@@ -148,20 +148,6 @@ def start_worker(url: str, tokenizer, **overrides) -> GRPORolloutWorker:
     worker = GRPORolloutWorker(child_ready_timeout=180, **kwargs)
     worker.start()
     return worker
-
-
-def collect_groups(worker: GRPORolloutWorker, count: int, timeout: float = 120.0) -> dict[int, list]:
-    groups: dict[int, list] = {}
-    deadline = time.monotonic() + timeout
-    while sum(len(s) == s[0].group_rows for s in groups.values()) < count:
-        assert time.monotonic() < deadline, f"only {len(groups)} groups after {timeout} s"
-        worker.check_health(stale_after_s=60)
-        try:
-            sample = worker.rollout_buffer.get(timeout=0.5)
-        except queue.Empty:
-            continue
-        groups.setdefault(sample.group_id, []).append(sample)
-    return groups
 
 
 def wait_for_failure(worker: GRPORolloutWorker, timeout: float) -> str:
