@@ -20,6 +20,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
+
 DEFAULT_CONFIG = str(files("lightning_grpo.configs") / "arithmetic.yaml")
 ACCURACY = "val/rewards/accuracy"
 
@@ -33,13 +35,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     memory = _PeakMemory()
     command = cli(argv, run=False)
     trainer, module, datamodule = command.trainer, command.model, command.datamodule
+    validations = _LastValidation()
+    trainer.callbacks.append(validations)
 
     before = _accuracy(trainer.validate(module, datamodule=datamodule, verbose=False))
     print(f"held-out accuracy before training: {before:.3f}", flush=True)
     started = time.monotonic()
     trainer.fit(module, datamodule=datamodule)
     minutes = (time.monotonic() - started) / 60
-    after = _accuracy(trainer.validate(module, datamodule=datamodule, verbose=False))
+    # The fit validates when the stream ends it; validate again only if that did not happen after the last step.
+    after = validations.accuracy_at(trainer.global_step)
+    if after is None:
+        after = _accuracy(trainer.validate(module, datamodule=datamodule, verbose=False))
     print(f"held-out accuracy after training:  {after:.3f}", flush=True)
 
     log_dir = Path(trainer.logger.log_dir if trainer.logger is not None else ".")
@@ -92,6 +99,21 @@ def plot_rewards(metrics_csv: Path, out: Path, before: float | None = None) -> N
 def _accuracy(results: list[dict[str, float]]) -> float:
     values = [r[ACCURACY] for r in results if ACCURACY in r]
     return float(values[0]) if values else float("nan")
+
+
+class _LastValidation(pl.Callback):
+    """Remembers the held-out accuracy of the latest validation and the optimizer step it ran at."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.accuracy: float | None = None
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking and ACCURACY in trainer.callback_metrics:
+            self.step, self.accuracy = trainer.global_step, float(trainer.callback_metrics[ACCURACY])
+
+    def accuracy_at(self, step: int) -> float | None:
+        return self.accuracy if self.step == step else None
 
 
 class _PeakMemory:

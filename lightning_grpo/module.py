@@ -145,6 +145,8 @@ class GRPOModule(pl.LightningModule):
         if not isinstance(batch, StepBatch) or batch.stop:
             # The stop item trains nothing. RolloutStopCallback set `should_stop` (or raised); letting the batch
             # through, rather than returning -1, keeps the end-of-fit validation that `should_stop` allows.
+            if isinstance(batch, StepBatch):
+                _hide_last_step_metrics(self.trainer)
             return None
         self._step_started = self._step_started or time.perf_counter()
         if self.scorers:
@@ -281,6 +283,24 @@ class GRPOModule(pl.LightningModule):
             policy.set_attn_implementation(previous)
         texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
         return [[{"role": "assistant", "content": text}] for text in texts]
+
+
+def _hide_last_step_metrics(trainer: pl.Trainer) -> None:
+    """Keeps the stop batch from adding a copy of the last step's metrics to every logger.
+
+    At each batch end Lightning logs every step-only value it holds, also those no hook logged in this batch, so the
+    stop batch (which trains nothing) would log the last optimizer step's row again under the next step number. This
+    marks those values as already reported, the way Lightning marks them after a reset, without touching them: the
+    progress bar and `callback_metrics` keep them. It reads Lightning's private result collection; should that change,
+    the only effect is the duplicate row again.
+    """
+    results = getattr(trainer, "_results", None)
+    if results is None or not hasattr(results, "valid_items"):
+        return
+    for _, metric in list(results.valid_items()):
+        meta = getattr(metric, "meta", None)
+        if meta is not None and meta.on_step and not meta.on_epoch:
+            metric.has_reset = True
 
 
 def _resolve_scorer(scorer: Any) -> Any:

@@ -88,6 +88,9 @@ def test_tiny_run_logs_trl_metric_names_with_sane_values(tmp_path, no_leaked_pro
     assert 0.5 < last["ratio"] < 2 and last["kl"] >= -1e-6 and last["entropy"] > 0
     assert 0 <= last["clip_ratio/region_mean"] <= 1 and last["sample/staleness_mean"] >= 0
     assert last["batch/packing_ratio"] >= 1 and metrics["rollout/generated_tok_s"].max() > 0
+    # One training row per optimizer step: the stop batch, which trains nothing, adds no copy of the last one.
+    training_rows = metrics.dropna(subset=["loss"])
+    assert list(training_rows["step"]) == list(range(trainer.global_step)), training_rows[["step", "loss"]]
 
 
 @pytest.mark.timeout(240)

@@ -222,7 +222,9 @@ def test_unshippable_argument_is_named_before_anything_is_spawned(tiny_model, to
 
 
 @pytest.mark.timeout(180)
-def test_hung_child_fails_check_health_once_its_heartbeat_is_stale(tiny_model, tokenizer, transfer, no_leaked_processes):
+def test_hung_child_fails_check_health_once_its_heartbeat_is_stale(
+    tiny_model, tokenizer, transfer, no_leaked_processes
+):
     push(transfer, tiny_model, version=0)
     worker = start_worker(tiny_model, tokenizer, transfer, dataset=prompts(2))
     try:

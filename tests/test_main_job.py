@@ -1,0 +1,40 @@
+"""The main job's driver (`python -m lightning_grpo.main_job`), run on the smoke config: the tiny random model stands
+in for SmolLM2 (tests/test_smollm2.py proves the real model path; the README records a full run)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from importlib.resources import files
+
+import pandas as pd
+import pytest
+
+from lightning_grpo.main_job import ACCURACY, main
+
+SMOKE = str(files("lightning_grpo.configs") / "smoke.yaml")
+
+
+@pytest.mark.timeout(300)
+def test_main_job_reports_accuracy_before_and_after_with_a_plot_and_summary(
+    tmp_path, monkeypatch, capsys, no_leaked_processes
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["main_job"])
+    summary = main(["--config", SMOKE])
+    printed = capsys.readouterr().out
+    assert "held-out accuracy before training" in printed and "held-out accuracy after training" in printed
+
+    log_dir = next((tmp_path / "smoke").glob("version_*"))
+    assert json.loads((log_dir / "summary.json").read_text()) == summary
+    assert (log_dir / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary["groups_consumed"] == 8 and summary["optimizer_steps"] >= 1
+    assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
+    assert summary["peak_rss_gb"] > 0 and summary["fit_minutes"] > 0
+
+    # "after" is the validation the fit ran when the stream ended it, not a second pass over the held-out prompts.
+    metrics = pd.read_csv(log_dir / "metrics.csv")
+    validations = metrics.dropna(subset=[ACCURACY])
+    assert validations["step"].max() == summary["optimizer_steps"]
+    assert math.isclose(validations[ACCURACY].iloc[-1], summary["accuracy_after"], abs_tol=1e-6)
