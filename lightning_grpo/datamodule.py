@@ -78,6 +78,11 @@ class GRPODataModule(pl.LightningDataModule):
         child_ready_timeout: seconds to wait for the child to load the policy and start.
         generator_threads: torch threads of the embedded generator (None: torch's default).
         val_batch_size: held-out prompts per validation batch.
+        loop_cls: a `GRPORolloutLoop` subclass (or its import path) for the rollout child to run instead, e.g. one
+            that overrides `_trainer_score_payload` to send trainer scorers what they need beyond the samples
+            (EBFT's reference features) or scores each rollout itself (`_provides_rollout_reward`).
+        loop_kwargs: extra keyword arguments for the loop: `loop_cls`'s own, or TRL loop arguments this data module
+            does not set (such as `tools`). They travel to the child with cloudpickle.
     """
 
     def __init__(
@@ -114,9 +119,11 @@ class GRPODataModule(pl.LightningDataModule):
         child_ready_timeout: float = 300.0,
         generator_threads: int | None = 1,
         val_batch_size: int = 16,
+        loop_cls: str | type | None = None,
+        loop_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["dataset", "val_dataset", "reward_funcs"])
+        self.save_hyperparameters(ignore=["dataset", "val_dataset", "reward_funcs", "loop_cls", "loop_kwargs"])
         self.model_name = model
         self.tokenizer_name = tokenizer
         self.dataset_source = dataset
@@ -127,6 +134,8 @@ class GRPODataModule(pl.LightningDataModule):
         self.reward_funcs: list[RewardFunc] = [resolve_callable(f, "reward_funcs") for f in self.reward_func_specs]
         for source in (dataset, val_dataset):
             check_source(source)
+        self.loop_cls = _resolve_loop_cls(loop_cls)
+        self.loop_kwargs = _checked_loop_kwargs(loop_kwargs)
         self.train_prompts: Dataset | None = None
         self.val_prompts: Dataset | None = None
         self.tokenizer: Any = None
@@ -329,8 +338,7 @@ class GRPODataModule(pl.LightningDataModule):
         hp = self.hparams
         eos = _eos_ids(self.tokenizer, module.policy)
         groups_per_step = self.groups_per_step()
-        return GRPORolloutWorker(
-            child_ready_timeout=hp.child_ready_timeout,
+        options = dict(
             model_name=self.model_name or getattr(module, "model_name", None) or "policy",
             dataset=self.train_prompts,
             reward_funcs=self.reward_funcs,
@@ -355,6 +363,10 @@ class GRPODataModule(pl.LightningDataModule):
             consumed=set(self.progress.consumed),
             groups_per_step=groups_per_step,
             max_staleness=hp.max_staleness,
+        )
+        assert options.keys() == _LOOP_OPTION_NAMES, sorted(options.keys() ^ _LOOP_OPTION_NAMES)
+        return GRPORolloutWorker(
+            loop_cls=self.loop_cls, child_ready_timeout=hp.child_ready_timeout, **options, **self.loop_kwargs
         )
 
     def _generator_spec(self, module: Any, eos: list[int]) -> Any:
@@ -464,6 +476,63 @@ def _validate_options(hp: Any) -> None:
         problems.append(f"samples_per_row={hp.samples_per_row} (must be at least 1)")
     if problems:
         raise ValueError(f"GRPODataModule got invalid options: {'; '.join(problems)}.")
+
+
+#: The loop arguments GRPODataModule sets from its own options (`_make_worker`); `loop_kwargs` may not set them.
+_LOOP_OPTION_NAMES = frozenset(
+    {
+        "model_name",
+        "dataset",
+        "reward_funcs",
+        "processing_class",
+        "eos_token_ids",
+        "num_generations",
+        "max_inflight_tasks",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "vllm_server_url",
+        "generator",
+        "reward_weights",
+        "multi_objective_aggregation",
+        "scale_rewards",
+        "reward_num_workers",
+        "reward_timeout",
+        "trainer_scored",
+        "epochs",
+        "seed",
+        "consumed",
+        "groups_per_step",
+        "max_staleness",
+    }
+)
+
+
+def _checked_loop_kwargs(loop_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    loop_kwargs = dict(loop_kwargs or {})
+    if clash := sorted(_LOOP_OPTION_NAMES.intersection(loop_kwargs)):
+        raise ValueError(
+            f"`loop_kwargs` sets {clash}, which GRPODataModule sets from its own options: set them there instead "
+            "(e.g. `temperature=...`), and keep `loop_kwargs` for arguments the data module does not have."
+        )
+    return loop_kwargs
+
+
+def _resolve_loop_cls(spec: str | type | None) -> type | None:
+    """The rollout loop class a `loop_cls` option names, checked to be a `GRPORolloutLoop` subclass."""
+    if spec is None:
+        return None
+    from ._imports import import_object
+    from .rollout import GRPORolloutLoop
+
+    loop_cls = import_object(spec, "loop_cls") if isinstance(spec, str) else spec
+    if not (isinstance(loop_cls, type) and issubclass(loop_cls, GRPORolloutLoop)):
+        raise ValueError(
+            f"`loop_cls={spec!r}` is not a subclass of lightning_grpo.GRPORolloutLoop: subclass it (its hooks are "
+            "`_trainer_score_payload` and `_provides_rollout_reward`) or leave `loop_cls` unset."
+        )
+    return loop_cls
 
 
 def _reward_name(func: Callable) -> str:

@@ -8,6 +8,7 @@ from datasets import Dataset
 
 from lightning_grpo.datamodule import GRPODataModule
 from lightning_grpo.module import GRPOModule
+from lightning_grpo.rollout import GRPORolloutLoop
 
 
 def char_sum_reward(completions, **kwargs):
@@ -108,3 +109,36 @@ def test_fit_with_a_trainer_scorer_scores_every_pending_group(tmp_path, no_leake
     assert progress.trained_total > 0
     assert progress.trained_total + sum(progress.dropped.values()) + sum(progress.excluded.values()) == 6
     assert trainer.global_step == progress.trained_total  # one group per step here
+
+
+class TaggedLoop(GRPORolloutLoop):
+    """A user's loop subclass with an argument of its own: it sends trainer scorers a payload with every group."""
+
+    def __init__(self, *, tag: str, **kwargs):
+        super().__init__(**kwargs)
+        self.tag = tag
+
+    def _trainer_score_payload(self, group):
+        return {"tag": self.tag, "completions": len(group.completions_sequences)}
+
+
+@pytest.mark.timeout(240)
+def test_a_loop_subclass_from_loop_cls_runs_in_the_child_and_its_payload_reaches_the_scorer(no_leaked_processes):
+    from packed_rows import tiny_reward_model
+
+    from lightning_grpo.records import SCORE_PAYLOAD
+    from lightning_grpo.scorers import RewardModelScorer
+
+    class PayloadRecordingScorer(RewardModelScorer):
+        payloads: list = []
+
+        def group_extras(self, samples):
+            self.payloads.append(samples[0].extras[SCORE_PAYLOAD]["payload"])
+            return super().group_extras(samples)
+
+    scorer = PayloadRecordingScorer(tiny_reward_model(), name="rm")
+    datamodule = tiny_datamodule(4, loop_cls=TaggedLoop, loop_kwargs={"tag": "from-my-loop"})
+    trainer = cpu_trainer()
+    trainer.fit(GRPOModule("tiny-random", scorers=[scorer], learning_rate=1e-3), datamodule=datamodule)
+    assert len(scorer.payloads) == 4
+    assert all(payload == {"tag": "from-my-loop", "completions": 4} for payload in scorer.payloads)
