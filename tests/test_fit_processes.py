@@ -1,5 +1,5 @@
-"""`Trainer.fit` as real processes: 2-rank DDP on CPU (gloo), a dead rollout child, a stall, and a SIGKILLed run
-resumed from its checkpoint. Each run is `tests/scripts/fit_tiny.py` in its own process session, bounded by a
+"""`Trainer.fit` as real processes: 2-rank DDP on CPU (gloo), a dead rollout child, a stall, a SIGKILLed run
+resumed from its checkpoint, and Ctrl-C. Each run is `tests/scripts/fit_tiny.py` in its own process session, bounded by a
 timeout; the test then checks that no process of that session is left (the rollout child and its reward pool too).
 """
 
@@ -79,3 +79,14 @@ def test_sigkilled_fit_resumed_from_checkpoint_trains_every_group_exactly_once(t
     # The resumed run generated with its restored weights: pushed before generation, under the restored version.
     assert second[0]["weights_at_fit_start"] == pytest.approx(restored_weights, rel=1e-12)
     assert min(second[0]["first_versions"]) >= kill_at
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_in_a_terminal_ends_the_fit_and_every_process_of_the_run(tmp_path):
+    """SIGINT to the whole process group: Lightning shuts down gracefully and exits 1; the rollout child and its
+    reward workers, which got the signal too, are gone (run_in_session fails on any process left in the session)."""
+    code, results = run_fit(tmp_path, "--scenario", "ctrl_c", "--kill-at", "1", "--prompts", "8", timeout=120)
+    log = (tmp_path / "log.txt").read_text()
+    assert code == 1, log[-3000:]
+    assert "Detected KeyboardInterrupt, attempting graceful shutdown" in log
+    assert len(results[0]["steps"]) == 1

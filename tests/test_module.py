@@ -142,3 +142,31 @@ def test_a_loop_subclass_from_loop_cls_runs_in_the_child_and_its_payload_reaches
     trainer.fit(GRPOModule("tiny-random", scorers=[scorer], learning_rate=1e-3), datamodule=datamodule)
     assert len(scorer.payloads) == 4
     assert all(payload == {"tag": "from-my-loop", "completions": 4} for payload in scorer.payloads)
+
+
+@pytest.mark.timeout(240)
+def test_interrupting_fit_stops_the_rollout_child_while_the_process_lives_on(no_leaked_processes):
+    """Jupyter's "interrupt kernel" (and Ctrl-C where only the trainer gets the signal) raises KeyboardInterrupt in
+    the trainer's process alone, which lives on: Lightning's graceful shutdown must stop the rollout child and its
+    reward pool, since the child's die-with-parent guard never fires."""
+    import os
+    import signal
+
+    from processes import live_children, wait_no_children
+
+    class InterruptAtSecondStep(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    before = {p.pid for p in live_children()}
+    datamodule = tiny_datamodule(8)
+    trainer = cpu_trainer(callbacks=[InterruptAtSecondStep()])
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):  # Lightning exits after its graceful shutdown
+            trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
+        assert trainer.interrupted and trainer.global_step == 1
+        assert wait_no_children(timeout=10, ignore=before) == []
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT from its shutdown on

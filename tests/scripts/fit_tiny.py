@@ -8,6 +8,8 @@ ended with, if any. Scenarios:
 - `kill_child`: rank 0 SIGKILLs the rollout child after the first step; every rank must fail with its error.
 - `kill_self`: rank 0 SIGKILLs its own process at the start of step `--kill-at + 1` (checkpoints every step).
 - `resume`: resume from `--ckpt`.
+- `ctrl_c`: at the start of step `--kill-at + 1`, SIGINT to the whole process group, as Ctrl-C in a terminal sends it
+  (the rollout child and its reward workers get it too).
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ def main() -> None:
             if args.scenario == "kill_self" and trainer.is_global_zero and trainer.global_step == args.kill_at:
                 self.dump(trainer, None)
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.scenario == "ctrl_c" and trainer.is_global_zero and trainer.global_step == args.kill_at:
+                self.dump(trainer, None)
+                os.killpg(os.getpgid(0), signal.SIGINT)
             if self.first_versions is None and isinstance(batch, StepBatch) and batch.samples:
                 self.first_versions = sorted({s.model_version for s in batch.samples})
 
