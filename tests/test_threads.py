@@ -1,0 +1,83 @@
+"""The trainer's torch threads beside the embedded generator: `trainer_threads` and its `"auto"` rule."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_grpo import GRPODataModule, GRPOModule, threads
+from lightning_grpo.threads import trainer_threads_for
+
+SHARED_CPU = dict(on_cpu=True, embedded_generator=True, generator_threads=1, world_size=1)
+
+
+@pytest.mark.parametrize(
+    ("cores", "current", "generator_threads", "expected"),
+    [(2, 2, 1, 1), (8, 8, 1, 7), (8, 8, 3, 5), (8, 4, 1, None), (1, 1, 1, None), (4, 4, 4, 1)],
+)
+def test_auto_gives_the_trainer_the_cores_the_generator_leaves(
+    monkeypatch, cores, current, generator_threads, expected
+):
+    monkeypatch.setattr(threads, "available_cores", lambda: cores)
+    options = SHARED_CPU | {"generator_threads": generator_threads}
+    assert trainer_threads_for("auto", current=current, **options) == expected
+
+
+@pytest.mark.parametrize(
+    "not_shared",
+    [{"on_cpu": False}, {"embedded_generator": False}, {"generator_threads": None}, {"world_size": 2}],
+    ids=["gpu", "vllm", "generator_on_all_cores", "ddp"],
+)
+def test_auto_leaves_torch_alone_unless_trainer_and_generator_share_one_cpu(monkeypatch, not_shared):
+    monkeypatch.setattr(threads, "available_cores", lambda: 8)
+    assert trainer_threads_for("auto", current=8, **(SHARED_CPU | not_shared)) is None
+
+
+def test_a_number_is_used_as_given_and_none_leaves_torch_alone():
+    assert trainer_threads_for(3, current=8, **SHARED_CPU) == 3
+    assert trainer_threads_for(None, current=8, **SHARED_CPU) is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, "all", 1.5])
+def test_a_bad_value_is_named_at_construction(bad):
+    with pytest.raises(ValueError, match=f"trainer_threads={bad!r}"):
+        GRPODataModule(model="tiny-random", trainer_threads=bad)
+
+
+@pytest.mark.timeout(240)
+def test_fit_trains_with_the_threads_asked_for_and_restores_torchs_setting(no_leaked_processes):
+    from test_module import char_sum_reward, tiny_prompts
+
+    class RecordThreads(pl.Callback):
+        seen: list[int] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        datamodule = GRPODataModule(
+            model="tiny-random",
+            dataset=tiny_prompts(4),
+            reward_funcs=[char_sum_reward],
+            num_generations=4,
+            max_completion_length=8,
+            trainer_threads=1,
+        )
+        recorder = RecordThreads()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_epochs=-1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            limit_val_batches=0,
+            callbacks=[recorder],
+        )
+        trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
+        assert recorder.seen and set(recorder.seen) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
