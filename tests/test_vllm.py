@@ -222,7 +222,7 @@ def test_push_while_requests_are_in_flight_loses_none_and_each_token_matches_the
     old, new = tiny_llama(seed=0), tiny_llama(seed=1)
     push(transfer, old, version=1)
     prompts_ids = [[2, 40 + i, 41 + i, 42 + i, 3, 2] for i in range(12)]
-    max_tokens = 600
+    max_tokens = 1000  # as long as max_model_len allows, so the requests outlast the push on a busy machine
 
     def generated_tokens() -> float:
         metrics = requests.get(f"{vllm_server.url}/metrics", timeout=10).text
@@ -230,14 +230,19 @@ def test_push_while_requests_are_in_flight_loses_none_and_each_token_matches_the
         return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
     before = generated_tokens()
+    started = time.monotonic()
     with ThreadPoolExecutor(len(prompts_ids)) as pool:
         futures = [pool.submit(complete, vllm_server.url, p, max_tokens, 1.0, ignore_eos=True) for p in prompts_ids]
         deadline = time.monotonic() + 120
         while generated_tokens() - before < 12 * 20:  # every request is decoding
             assert time.monotonic() < deadline and not any(f.done() for f in futures)
             time.sleep(0.05)
+        push_started = time.monotonic()
         push(transfer, new, version=2)
+        push_s = time.monotonic() - push_started
+        done_during_push = sum(f.done() for f in futures)
         choices = [f.result() for f in futures]
+    requests_s = time.monotonic() - started
 
     switched = 0
     for prompt, choice in zip(prompts_ids, choices, strict=True):
@@ -251,7 +256,10 @@ def test_push_while_requests_are_in_flight_loses_none_and_each_token_matches_the
         switch = int((~by_old).long().argmax()) if not by_old.all() else max_tokens
         assert by_new[switch:].all(), f"old and new weights interleave after token {switch}"
         switched += 0 < switch < max_tokens
-    assert switched > 0, "the push did not land while requests were in flight"
+    assert switched > 0, (
+        f"the push did not land while requests were in flight: it took {push_s:.2f} s, started "
+        f"{push_started - started:.2f} s into {requests_s:.2f} s of requests, {done_during_push} of them done by its end"
+    )
 
 
 # -- failures of the vLLM path in the rollout child -------------------------------------------------------------------
