@@ -20,6 +20,7 @@ from .data import as_messages, check_columns, check_source, load_prompts
 from .metrics import MetricWindow
 from .progress import RolloutProgress
 from .schedule import GroupSchedule
+from .threads import is_trainer_threads, trainer_threads_for
 
 log = logging.getLogger(__name__)
 
@@ -185,20 +186,21 @@ class GRPODataModule(pl.LightningDataModule):
     def _share_cores(self) -> None:
         from lightning.pytorch.accelerators import CPUAccelerator
 
-        from .threads import trainer_threads_for
-
+        if self._threads_before is not None:  # already set by an earlier `fit` setup
+            return
         hp = self.hparams
+        current = torch.get_num_threads()
         threads = trainer_threads_for(
             hp.trainer_threads,
-            current=torch.get_num_threads(),
+            current=current,
             on_cpu=isinstance(self.trainer.accelerator, CPUAccelerator),
             embedded_generator=hp.generator == "embedded",
             generator_threads=hp.generator_threads,
             world_size=self.trainer.world_size,
         )
-        if threads is None or self._threads_before is not None:
+        if threads is None:
             return
-        self._threads_before = torch.get_num_threads()
+        self._threads_before = current
         torch.set_num_threads(threads)
         log.info(
             "Training with %d torch threads (was %d) beside the generator's %s.",
@@ -513,9 +515,8 @@ def _validate_options(hp: Any) -> None:
         problems.append(f"top_p={hp.top_p} (must be in (0, 1])")
     if hp.reward_num_workers < 0 or hp.reward_timeout <= 0:
         problems.append(f"reward_num_workers={hp.reward_num_workers}, reward_timeout={hp.reward_timeout}")
-    threads = hp.trainer_threads
-    if not (threads is None or threads == "auto" or (isinstance(threads, int) and threads >= 1)):
-        problems.append(f"trainer_threads={threads!r} (a positive number of threads, 'auto' or None)")
+    if not is_trainer_threads(hp.trainer_threads):
+        problems.append(f"trainer_threads={hp.trainer_threads!r} (a positive number of threads, 'auto' or None)")
     if hp.samples_per_row is not None and hp.samples_per_row < 1:
         problems.append(f"samples_per_row={hp.samples_per_row} (must be at least 1)")
     if problems:

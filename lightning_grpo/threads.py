@@ -22,6 +22,11 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def is_trainer_threads(option: object) -> bool:
+    """Whether `option` is a valid `trainer_threads`: a positive number of threads, `"auto"` or None."""
+    return option is None or option == "auto" or (isinstance(option, int) and option >= 1)
+
+
 def trainer_threads_for(
     option: TrainerThreads,
     *,
@@ -33,15 +38,11 @@ def trainer_threads_for(
 ) -> int | None:
     """The torch threads the trainer should train with, or None to leave torch's setting alone.
 
-    `option`: a number is used as given; None leaves torch alone; `"auto"` applies only where the trainer and the
+    `option` (valid, see `is_trainer_threads`): a number is used as given; None leaves torch alone; `"auto"` applies only where the trainer and the
     embedded generator share one machine's CPU (CPU accelerator, one process, `generator_threads` set) and gives the
     trainer the cores the generator does not use, never more threads than torch has now.
     """
-    if option is None:
-        return None
-    if option != "auto":
-        if not isinstance(option, int) or option < 1:
-            raise ValueError(f"`trainer_threads={option!r}` must be a positive number of threads, 'auto' or None.")
+    if option is None or option != "auto":
         return option
     if not (on_cpu and embedded_generator and generator_threads and world_size == 1):
         return None

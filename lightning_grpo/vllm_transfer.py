@@ -151,17 +151,17 @@ class VLLMHTTPWeightTransfer:
         """
         from safetensors.torch import save_file
 
+        tensors = _unique_tensors(iterator)
+        if not tensors:
+            raise ValueError(
+                "`VLLMHTTPWeightTransfer.send_weights` got no tensors. Pass the policy's named parameters."
+            )
         self.pause()
         started = time.monotonic()
         self._pushes += 1
         folder = self.shm_dir / f"{self._prefix}-{self._pushes}"
         folder.mkdir(parents=True, exist_ok=False)
         self._folders.append(folder)
-        tensors = _unique_tensors(iterator)
-        if not tensors:
-            raise ValueError(
-                "`VLLMHTTPWeightTransfer.send_weights` got no tensors. Pass the policy's named parameters."
-            )
         save_file(tensors, str(folder / "model.safetensors"))
         del tensors
         if self._has_extension:

@@ -47,7 +47,7 @@ def test_a_bad_value_is_named_at_construction(bad):
 
 @pytest.mark.timeout(240)
 def test_fit_trains_with_the_threads_asked_for_and_restores_torchs_setting(no_leaked_processes):
-    from test_module import char_sum_reward, tiny_prompts
+    from tiny_fits import cpu_trainer, tiny_datamodule
 
     class RecordThreads(pl.Callback):
         seen: list[int] = []
@@ -58,25 +58,9 @@ def test_fit_trains_with_the_threads_asked_for_and_restores_torchs_setting(no_le
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        datamodule = GRPODataModule(
-            model="tiny-random",
-            dataset=tiny_prompts(4),
-            reward_funcs=[char_sum_reward],
-            num_generations=4,
-            max_completion_length=8,
-            trainer_threads=1,
-        )
         recorder = RecordThreads()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            max_epochs=-1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            limit_val_batches=0,
-            callbacks=[recorder],
-        )
-        trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
+        trainer = cpu_trainer(callbacks=[recorder])
+        trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=tiny_datamodule(4, trainer_threads=1))
         assert recorder.seen and set(recorder.seen) == {1}
         assert torch.get_num_threads() == 2
     finally:
