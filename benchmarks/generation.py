@@ -35,9 +35,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from lightning_grpo.generation import EmbeddedGenerator  # noqa: E402
 from lightning_grpo.models import load_policy, load_tokenizer  # noqa: E402
-from lightning_grpo.weight_transfer import SharedMemoryWeightTransfer  # noqa: E402
+from lightning_grpo.rollout.generator import EmbeddedGenerator
+from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer
 
 
 @dataclass

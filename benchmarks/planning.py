@@ -34,8 +34,8 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import numpy as np  # noqa: E402
 from trl.experimental.async_grpo.async_grpo_trainer import TokenBudgetBatcher  # noqa: E402
 
-from lightning_grpo.planner import StepPlanner  # noqa: E402
-from lightning_grpo.records import RolloutSample  # noqa: E402
+from lightning_grpo.pipeline.planner import StepPlanner
+from lightning_grpo.rollout.records import RolloutSample
 
 TOKEN_BUDGET = 16384
 VOCAB = 32000

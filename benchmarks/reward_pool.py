@@ -140,7 +140,7 @@ def run_trl_side(mode: str, reps: int, limit_s: float) -> dict:
 
 
 def run_pool_side(reward_func, groups: list[dict], workers: int, timeout: float, reps: int) -> dict:
-    from lightning_grpo.reward_pool import RewardProcessPool
+    from lightning_grpo.rollout.reward_pool import RewardProcessPool
 
     async def score_all(pool, batch):
         return await asyncio.gather(*(pool.score(0, **g) for g in batch))
@@ -162,8 +162,8 @@ def run_pool_side(reward_func, groups: list[dict], workers: int, timeout: float,
 
 def measure_restart() -> tuple[float, float, float]:
     """Seconds to start a 1-worker pool (bare; with `accuracy`), and extra latency of a call whose worker died once."""
-    from lightning_grpo.reward_pool import RewardProcessPool
     from lightning_grpo.rewards import accuracy
+    from lightning_grpo.rollout.reward_pool import RewardProcessPool
 
     starts = []
     for _ in range(3):
@@ -244,7 +244,7 @@ def main() -> None:
 
     from lightning_grpo.rewards import accuracy
 
-    logging.getLogger("lightning_grpo.reward_pool").setLevel(logging.ERROR)  # expected timeouts: counted below
+    logging.getLogger("lightning_grpo.rollout.reward_pool").setLevel(logging.ERROR)  # expected timeouts: counted below
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(
         f"commit {commit or '?'}; {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "

@@ -34,8 +34,8 @@ import generation as base  # noqa: E402  (benchmarks/generation.py)
 import torch  # noqa: E402
 
 from lightning_grpo.models import load_policy  # noqa: E402
-from lightning_grpo.vllm_server import VLLMServer, vllm_unavailable_reason  # noqa: E402
-from lightning_grpo.vllm_transfer import VLLMHTTPWeightTransfer  # noqa: E402
+from lightning_grpo.serving.vllm_server import VLLMServer, vllm_unavailable_reason
+from lightning_grpo.weights.vllm_http import VLLMHTTPWeightTransfer
 
 _SERVERS: dict[str, VLLMServer] = {}
 

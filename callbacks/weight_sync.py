@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_grpo.batch import StepBatch
+from lightning_grpo.pipeline.batch import StepBatch
 
 
 class WeightSyncCallback(Callback):

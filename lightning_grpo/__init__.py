@@ -6,48 +6,58 @@ child) does not pay for importing torch and Lightning.
 
 from __future__ import annotations
 
-import importlib
 import os as _os
 from typing import TYPE_CHECKING
+
+from ._imports import lazy_exports
 
 # TRL marks `trl.experimental` unstable on every import; we pin the TRL minor release instead.
 _os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 # public name -> submodule that defines it
 _EXPORTS = {
-    "compute_group_advantages": "advantages",
-    "RolloutSample": "records",
-    "SCORE_PAYLOAD": "records",
-    "GroupSchedule": "schedule",
-    "StepBatch": "batch",
-    "RewardProcessPool": "reward_pool",
-    "GRPORolloutLoop": "rollout",
-    "GRPORolloutWorker": "rollout_worker",
-    "RolloutStop": "progress",
-    "RolloutProgress": "progress",
-    "SampleFilterQueue": "progress",
-    "StopAwareDataset": "progress",
-    "ProgressCollator": "progress",
-    "GroupedQueue": "planner",
-    "ScoredRow": "planner",
-    "StepPlan": "planner",
-    "StepPlanner": "planner",
-    "check_step_capacity": "planner",
-    "TrainerScorer": "scoring",
-    "ScoringCollator": "scoring",
-    "score_step": "scoring",
-    "chunk_inputs": "packing",
-    "chunk_sequences": "packing",
-    "pack_sequences": "packing",
-    "unpack_sequences": "packing",
-    "RewardModelScorer": "scorers",
-    "FeatureMatchingScorer": "scorers",
-    "EmbeddedGenerator": "generation",
-    "GeneratorSpec": "generation",
-    "PolicySpec": "generation",
-    "SharedMemoryWeightTransfer": "weight_transfer",
-    "VLLMServer": "vllm_server",
-    "VLLMHTTPWeightTransfer": "vllm_transfer",
+    # the rollout process
+    "compute_group_advantages": "rollout.advantages",
+    "RolloutSample": "rollout.records",
+    "SCORE_PAYLOAD": "rollout.records",
+    "GroupSchedule": "rollout.schedule",
+    "RewardProcessPool": "rollout.reward_pool",
+    "GRPORolloutLoop": "rollout.loop",
+    "GRPORolloutWorker": "rollout.worker",
+    "EmbeddedGenerator": "rollout.generator",
+    "GeneratorSpec": "rollout.generator",
+    "PolicySpec": "rollout.generator",
+    # rank 0's pipeline
+    "GroupedQueue": "pipeline.grouping",
+    "SampleFilterQueue": "pipeline.filtering",
+    "ScoredRow": "pipeline.planner",
+    "StepPlan": "pipeline.planner",
+    "StepPlanner": "pipeline.planner",
+    "check_step_capacity": "pipeline.planner",
+    "ProgressCollator": "pipeline.collating",
+    "StopAwareDataset": "pipeline.stopping",
+    "RolloutProgress": "pipeline.ledger",
+    "RolloutStop": "pipeline.ledger",
+    "StepBatch": "pipeline.batch",
+    # trainer scoring
+    "TrainerScorer": "scoring.scorer",
+    "ScoringCollator": "scoring.collator",
+    "score_step": "scoring.step",
+    "chunk_inputs": "scoring.packing",
+    "chunk_sequences": "scoring.packing",
+    "pack_sequences": "scoring.packing",
+    "unpack_sequences": "scoring.packing",
+    "RewardModelScorer": "scoring.scorers",
+    "FeatureMatchingScorer": "scoring.scorers",
+    # weight sync and serving
+    "WeightSync": "weights.sync",
+    "SharedMemoryWeightTransfer": "weights.shared_memory",
+    "VLLMHTTPWeightTransfer": "weights.vllm_http",
+    "make_weight_transfer": "weights.factory",
+    "VLLMServer": "serving.vllm_server",
+    # the trainer
+    "RolloutContract": "contract",
+    "RolloutSource": "contract",
     "register_tree_attention": "attention",
     "grpo_loss": "loss",
     "GRPOModule": "module",
@@ -55,37 +65,35 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
-    from .advantages import compute_group_advantages
     from .attention import register_tree_attention
-    from .batch import StepBatch
+    from .contract import RolloutContract, RolloutSource
     from .datamodule import GRPODataModule
-    from .generation import EmbeddedGenerator, GeneratorSpec, PolicySpec
     from .loss import grpo_loss
     from .module import GRPOModule
-    from .packing import chunk_inputs, chunk_sequences, pack_sequences, unpack_sequences
-    from .planner import GroupedQueue, ScoredRow, StepPlan, StepPlanner, check_step_capacity
-    from .progress import ProgressCollator, RolloutProgress, RolloutStop, SampleFilterQueue, StopAwareDataset
-    from .records import SCORE_PAYLOAD, RolloutSample
-    from .reward_pool import RewardProcessPool
-    from .rollout import GRPORolloutLoop
-    from .rollout_worker import GRPORolloutWorker
-    from .schedule import GroupSchedule
-    from .scorers import FeatureMatchingScorer, RewardModelScorer
-    from .scoring import ScoringCollator, TrainerScorer, score_step
-    from .vllm_server import VLLMServer
-    from .vllm_transfer import VLLMHTTPWeightTransfer
-    from .weight_transfer import SharedMemoryWeightTransfer
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'lightning_grpo' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    from .pipeline.batch import StepBatch
+    from .pipeline.collating import ProgressCollator
+    from .pipeline.filtering import SampleFilterQueue
+    from .pipeline.grouping import GroupedQueue
+    from .pipeline.ledger import RolloutProgress, RolloutStop
+    from .pipeline.planner import ScoredRow, StepPlan, StepPlanner, check_step_capacity
+    from .pipeline.stopping import StopAwareDataset
+    from .rollout.advantages import compute_group_advantages
+    from .rollout.generator import EmbeddedGenerator, GeneratorSpec, PolicySpec
+    from .rollout.loop import GRPORolloutLoop
+    from .rollout.records import SCORE_PAYLOAD, RolloutSample
+    from .rollout.reward_pool import RewardProcessPool
+    from .rollout.schedule import GroupSchedule
+    from .rollout.worker import GRPORolloutWorker
+    from .scoring.collator import ScoringCollator
+    from .scoring.packing import chunk_inputs, chunk_sequences, pack_sequences, unpack_sequences
+    from .scoring.scorer import TrainerScorer
+    from .scoring.scorers import FeatureMatchingScorer, RewardModelScorer
+    from .scoring.step import score_step
+    from .serving.vllm_server import VLLMServer
+    from .weights.factory import make_weight_transfer
+    from .weights.shared_memory import SharedMemoryWeightTransfer
+    from .weights.sync import WeightSync
+    from .weights.vllm_http import VLLMHTTPWeightTransfer

@@ -1,4 +1,4 @@
-"""Objects named by import paths in configs: reward functions and trainer scorers."""
+"""Objects named by import paths (reward functions, trainer scorers, loop classes), and lazily loaded exports."""
 
 from __future__ import annotations
 
@@ -36,3 +36,23 @@ def resolve_callable(spec: str | Callable, what: str) -> Callable:
     if not callable(value):
         raise ValueError(f"`{what}` entry {spec!r} names a {type(value).__name__}, not a callable.")
     return value
+
+
+def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """`__getattr__` and `__dir__` for a package whose public names (name -> submodule) load on first use.
+
+    A spawned process that imports one submodule then does not pay for importing its siblings (torch, Lightning).
+    """
+    module = importlib.import_module(package)
+
+    def __getattr__(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f".{exports[name]}", package), name)
+        setattr(module, name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(module)) | set(exports))
+
+    return __getattr__, __dir__

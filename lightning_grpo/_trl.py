@@ -1,11 +1,18 @@
-"""The one place that imports TRL 1.16's private async-GRPO names, so a TRL upgrade breaks only this module.
+"""The one place lightning_grpo imports TRL, so that a TRL upgrade breaks only this module (and its pinned-names test).
 
 `trl>=1.16,<1.17` is pinned because `trl.experimental.async_grpo` is private API that changes between releases.
+`tests/test_trl_names.py` lists every private name, method and attribute of TRL's that the rollout loop and the
+weight transfers rely on, so a release that moves one fails that test with the list.
+
+Light names are imported here at once (the rollout child needs them); names from TRL's trainer module, which imports
+the HF `Trainer` and accelerate, and from its vLLM client are imported on first use.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -16,14 +23,49 @@ from trl.experimental.async_grpo.async_rollout_worker import (  # noqa: E402
     _AsyncRolloutLoop,
     _child_main,
 )
+from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 from trl.trainer.utils import get_callable_name, is_async_callable  # noqa: E402
 
 __all__ = [
     "RolloutGroup",
     "TrainingSequence",
+    "TreeRow",
     "_AsyncRolloutLoop",
     "_child_main",
     "add_response_schema",
+    "flash_attention_kernel",
+    "flash_tree_attention",
     "get_callable_name",
     "is_async_callable",
+    "iter_vllm_named_params",
+    "nccl_weight_transfer_client",
 ]
+
+
+def iter_vllm_named_params(model: Any) -> Iterator[tuple[str, Any]]:
+    """TRL's `_iter_vllm_named_params`: the `(name, parameter)` stream a vLLM server fed over NCCL expects."""
+    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
+
+    return _iter_vllm_named_params(model)
+
+
+def nccl_weight_transfer_client(server_url: str, server_timeout: float, update_info: dict, sync_timeout: int) -> Any:
+    """TRL's `WeightTransferClient` over its `VLLMClient` (needs vllm installed, and a GPU to run)."""
+    from trl.experimental.async_grpo.vllm_client import VLLMClient
+    from trl.experimental.async_grpo.weight_transfer import WeightTransferClient
+
+    return WeightTransferClient(VLLMClient(server_url, server_timeout), update_info, weight_sync_timeout=sync_timeout)
+
+
+def flash_tree_attention(*args: Any, **kwargs: Any) -> Any:
+    """TRL's FA3 varlen tree attention (`packing.tree_attention`), for CUDA."""
+    from trl.experimental.async_grpo.packing import tree_attention
+
+    return tree_attention(*args, **kwargs)
+
+
+def flash_attention_kernel() -> Any:
+    """Load TRL's FA3 kernel (`packing._flash_attn`); raises when it cannot (no CUDA, no `kernels`, no hub)."""
+    from trl.experimental.async_grpo.packing import _flash_attn
+
+    return _flash_attn()

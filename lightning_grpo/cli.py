@@ -111,11 +111,11 @@ def main(args: list[str] | None = None) -> None:
     """The `lightning-grpo` console script (`args` instead of `sys.argv[1:]` when given); see `cli`.
 
     `lightning-grpo vllm-serve --model NAME [--port 8000 ...]` starts a vLLM server for `generator="vllm"` from its
-    own environment (see `lightning_grpo.vllm_server`) and serves until Ctrl-C.
+    own environment (see `lightning_grpo.serving.vllm_server`) and serves until Ctrl-C.
     """
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["vllm-serve"]:
-        from .vllm_server import main as vllm_serve
+        from .serving.vllm_server import main as vllm_serve
 
         raise SystemExit(vllm_serve(argv[1:]))
     cli(args)

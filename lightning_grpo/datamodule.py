@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 from ._imports import resolve_callable
 from .data import as_messages, check_columns, check_source, load_prompts
 from .metrics import MetricWindow
-from .progress import RolloutProgress
-from .schedule import GroupSchedule
+from .pipeline.ledger import RolloutProgress
+from .rollout.schedule import GroupSchedule
 from .threads import is_trainer_threads, trainer_threads_for
 
 log = logging.getLogger(__name__)
@@ -281,7 +281,7 @@ class GRPODataModule(pl.LightningDataModule):
             self.worker.update_model_version(version)
 
     def _make_transfer(self) -> Any:
-        from .weight_transfer import make_weight_transfer
+        from .weights.factory import make_weight_transfer
 
         policy = self.trainer.lightning_module.policy
         return make_weight_transfer(self.hparams.generator, policy, vllm_server_url=self.hparams.vllm_server_url)
@@ -290,7 +290,7 @@ class GRPODataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Every rank's stream of optimizer steps; rank 0 starts the rollout child here."""
-        from .stream import StepStream
+        from .pipeline.stream import StepStream
 
         source = self._start_pipeline() if self.trainer.is_global_zero else None
         stream = StepStream(
@@ -309,7 +309,7 @@ class GRPODataModule(pl.LightningDataModule):
             self.trainer.should_stop = True
 
     def _start_pipeline(self) -> Any:
-        from .stream import RolloutPipeline
+        from .pipeline.stream import RolloutPipeline
 
         if self.worker is not None:
             self.close()
@@ -361,7 +361,7 @@ class GRPODataModule(pl.LightningDataModule):
         }
 
     def _make_collator(self, scorers: list[Any]) -> Any:
-        from .progress import ProgressCollator
+        from .pipeline.collating import ProgressCollator
 
         names = [_reward_name(f) for f in self.reward_funcs]
         kwargs = dict(
@@ -369,12 +369,12 @@ class GRPODataModule(pl.LightningDataModule):
         )
         if not scorers:
             return ProgressCollator(self.progress, **kwargs)
-        from .scoring import ScoringCollator
+        from .scoring.collator import ScoringCollator
 
         return ScoringCollator(self.progress, scorers=scorers, **kwargs)
 
     def _make_worker(self, module: Any, trainer_scored: bool) -> Any:
-        from .rollout import GRPORolloutWorker
+        from .rollout.worker import GRPORolloutWorker
 
         hp = self.hparams
         eos = _eos_ids(self.tokenizer, module.policy)
@@ -413,7 +413,7 @@ class GRPODataModule(pl.LightningDataModule):
     def _generator_spec(self, module: Any, eos: list[int]) -> Any:
         if self.hparams.generator != "embedded":
             return None
-        from .generation import GeneratorSpec, PolicySpec
+        from .rollout.generator import GeneratorSpec, PolicySpec
 
         hp = self.hparams
         if self._transfer is None:  # no WeightSyncCallback pushed yet: publish the current weights now
@@ -441,7 +441,7 @@ class GRPODataModule(pl.LightningDataModule):
 
     def score_completions(self, completions: list[list[dict]], rows: list[dict]) -> dict[str, list[float]]:
         """Every reward function's rewards for `completions` of `rows` (validation), through a process pool."""
-        from .reward_pool import RewardProcessPool
+        from .rollout.reward_pool import RewardProcessPool
 
         if self._val_pool is None:
             self._val_pool = RewardProcessPool(self.reward_funcs, 1, timeout=self.hparams.reward_timeout)
@@ -569,7 +569,7 @@ def _resolve_loop_cls(spec: str | type | None) -> type | None:
     if spec is None:
         return None
     from ._imports import import_object
-    from .rollout import GRPORolloutLoop
+    from .rollout.loop import GRPORolloutLoop
 
     loop_cls = import_object(spec, "loop_cls") if isinstance(spec, str) else spec
     if not (isinstance(loop_cls, type) and issubclass(loop_cls, GRPORolloutLoop)):

@@ -1,6 +1,6 @@
 """GRPO policy loss on packed rows: per-term log-probabilities from one tree forward, and the clipped objective.
 
-One micro-batch is one rank's packed row (`lightning_grpo.batch`): `M` loss terms, each a trained token of one sample,
+One micro-batch is one rank's packed row (`lightning_grpo.pipeline.batch`): `M` loss terms, each a trained token of one sample,
 scored at packed position `token_index` against label `shift_labels[token_index]`. The loss is TRL's async GRPO loss:
 a PPO-clipped ratio against the generator's log-probabilities (no reference model, no KL penalty), a token mean over
 the whole optimizer step.

@@ -15,6 +15,12 @@ from collections.abc import Iterable, Mapping
 MetricValue = float | tuple[float, float]
 
 
+def append_metric(metrics: dict[str, list] | None, key: str, value: float) -> None:
+    """Append `value` under `key` of a TRL-style metric sink (a plain dict or a defaultdict of lists)."""
+    if metrics is not None:
+        metrics.setdefault(key, []).append(value)
+
+
 def reduce_metric(key: str, values: list[MetricValue]) -> float:
     """One window of `values` logged under `key`, reduced to the number that gets logged."""
     values = [v for v in values if isinstance(v, tuple) or not math.isnan(v)]

@@ -14,8 +14,8 @@ import torch
 from lightning.pytorch.strategies import ParallelStrategy
 
 from ._imports import import_object
-from .batch import StepBatch
 from .loss import LossStats, grpo_loss, packed_logprobs
+from .pipeline.batch import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class GRPOModule(pl.LightningModule):
         return None
 
     def _score(self, batch: StepBatch) -> None:
-        from .scoring import score_step
+        from .scoring.step import score_step
 
         datamodule = self.trainer.datamodule
         hp = datamodule.hparams
@@ -305,7 +305,7 @@ def _hide_last_step_metrics(trainer: pl.Trainer) -> None:
 
 def _resolve_scorer(scorer: Any) -> Any:
     """A scorer instance, from an instance or an import path of an instance or of a zero-argument factory."""
-    from .scoring import TrainerScorer
+    from .scoring.scorer import TrainerScorer
 
     if not isinstance(scorer, str):
         return scorer

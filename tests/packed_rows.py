@@ -1,4 +1,4 @@
-"""Builders for packed micro-batches (TRL `TreeRow.pack()` plus the keys of `lightning_grpo.batch`) and the unpacked
+"""Builders for packed micro-batches (TRL `TreeRow.pack()` plus the keys of `lightning_grpo.pipeline.batch`) and the unpacked
 per-sample reference computations the packed ones are checked against."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def sample(
 
 
 def micro_batch(samples: list[dict], num_reward_columns: int | None = None) -> dict[str, torch.Tensor]:
-    """One rank's packed row with the per-sample keys of `lightning_grpo.batch` (`step_trained_tokens` = this row)."""
+    """One rank's packed row with the per-sample keys of `lightning_grpo.pipeline.batch` (`step_trained_tokens` = this row)."""
     row = TreeRow()
     for s in samples:
         row.add(s)
@@ -111,7 +111,7 @@ def rollout_group(
     vocab: int = 100,
 ):
     """A group of `RolloutSample`s sharing a random prompt, as the rollout loop sends them (pending by default)."""
-    from lightning_grpo.records import SCORE_PAYLOAD, RolloutSample
+    from lightning_grpo.rollout.records import SCORE_PAYLOAD, RolloutSample
 
     rng = np.random.default_rng(seed)
     prompt = rng.integers(4, vocab, size=prompt_len)
@@ -144,7 +144,7 @@ def plan_step(
     groups: list, *, num_processes: int, steps: int, token_budget: int = 0, samples_per_row: int = 4, scorers=()
 ):
     """The first `StepPlan` the real `StepPlanner` makes of `groups`."""
-    from lightning_grpo.planner import StepPlanner
+    from lightning_grpo.pipeline.planner import StepPlanner
 
     planner = StepPlanner(
         groups,
@@ -159,7 +159,7 @@ def plan_step(
 
 def collate_step(plan, scorers, *, num_processes: int, reward_names=(), progress=None) -> list:
     """One `StepBatch` per rank: the real `ProgressCollator`'s packing plus each scorer's inputs under `s{index}_`."""
-    from lightning_grpo.progress import ProgressCollator
+    from lightning_grpo.pipeline.collating import ProgressCollator
 
     batches = ProgressCollator(progress, num_processes=num_processes, reward_names=reward_names)(plan)
     for m, rows in enumerate(plan.micro_batches):
@@ -172,7 +172,7 @@ def collate_step(plan, scorers, *, num_processes: int, reward_names=(), progress
 
 def one_process_plan(plan):
     """The same step laid out for one rank: every row of the plan is its own micro-batch."""
-    from lightning_grpo.planner import StepPlan
+    from lightning_grpo.pipeline.planner import StepPlan
 
     return StepPlan([[row] for row in plan.rows], plan.samples, plan.group_ids, plan.pending_group_ids, plan.metrics)
 
@@ -201,8 +201,8 @@ def run_score_step_rank(rank: int, world_size: int, workdir: str) -> None:
 
     import torch.distributed as dist
 
-    from lightning_grpo.scorers import RewardModelScorer
-    from lightning_grpo.scoring import score_step
+    from lightning_grpo.scoring.scorers import RewardModelScorer
+    from lightning_grpo.scoring.step import score_step
 
     torch.set_num_threads(1)
     with open(f"{workdir}/batches.pkl", "rb") as f:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import time
 
-from lightning_grpo.records import RolloutSample
+from lightning_grpo.rollout.records import RolloutSample
 
 
 def collect_groups(worker, count: int, timeout: float = 120.0) -> dict[int, list[RolloutSample]]:

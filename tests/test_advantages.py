@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from lightning_grpo.advantages import STD_EPSILON, compute_group_advantages
+from lightning_grpo.rollout.advantages import STD_EPSILON, compute_group_advantages
 
 NAN = float("nan")
 

@@ -19,7 +19,7 @@ from lightning_grpo.attention import (
     use_tree_attention,
 )
 from lightning_grpo.models import tiny_llama, tiny_llama_config
-from lightning_grpo.packing import pack_sequences
+from lightning_grpo.scoring.packing import pack_sequences
 
 TOLERANCE = 1e-5
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_grpo import GRPODataModule
-from lightning_grpo.rollout import GRPORolloutLoop
+from lightning_grpo.rollout.loop import GRPORolloutLoop
 
 
 class NotALoop:

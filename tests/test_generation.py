@@ -9,15 +9,9 @@ import time
 import pytest
 import torch
 
-from lightning_grpo.generation import (
-    EmbeddedGenerator,
-    GeneratorSpec,
-    PolicySpec,
-    process_logits,
-    sample_from_logprobs,
-    teacher_forced_logprobs,
-)
 from lightning_grpo.models import tiny_llama
+from lightning_grpo.rollout.generator import EmbeddedGenerator, GeneratorSpec, PolicySpec
+from lightning_grpo.rollout.sampling import process_logits, sample_from_logprobs, teacher_forced_logprobs
 
 # Prompts of different lengths, so a batch is left-padded.
 PROMPTS = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [2, 50, 51], [2, 60, 61, 62, 63, 64], [2, 70]]

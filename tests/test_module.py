@@ -7,7 +7,7 @@ import pytest
 from tiny_fits import cpu_trainer, tiny_datamodule, tiny_prompts
 
 from lightning_grpo.module import GRPOModule
-from lightning_grpo.rollout import GRPORolloutLoop
+from lightning_grpo.rollout.loop import GRPORolloutLoop
 
 
 @pytest.mark.timeout(240)
@@ -62,7 +62,7 @@ def test_fit_with_a_trainer_scorer_scores_every_pending_group(tmp_path, no_leake
     """The rollout child leaves advantages pending; a reward model on the trainer scores each step before it trains."""
     from packed_rows import tiny_reward_model
 
-    from lightning_grpo.scorers import RewardModelScorer
+    from lightning_grpo.scoring.scorers import RewardModelScorer
 
     datamodule = tiny_datamodule(6)
     module = GRPOModule("tiny-random", scorers=[RewardModelScorer(tiny_reward_model(), name="rm")], learning_rate=1e-3)
@@ -89,8 +89,8 @@ class TaggedLoop(GRPORolloutLoop):
 def test_a_loop_subclass_from_loop_cls_runs_in_the_child_and_its_payload_reaches_the_scorer(no_leaked_processes):
     from packed_rows import tiny_reward_model
 
-    from lightning_grpo.records import SCORE_PAYLOAD
-    from lightning_grpo.scorers import RewardModelScorer
+    from lightning_grpo.rollout.records import SCORE_PAYLOAD
+    from lightning_grpo.scoring.scorers import RewardModelScorer
 
     class PayloadRecordingScorer(RewardModelScorer):
         payloads: list = []

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from lightning_grpo.attention import tree_model_kwargs, use_tree_attention
 from lightning_grpo.models import tiny_llama
-from lightning_grpo.packing import (
+from lightning_grpo.scoring.packing import (
     chunk_inputs,
     chunk_sequences,
     collate_sequences,

@@ -18,16 +18,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_grpo.planner import (
-    GroupedQueue,
-    GroupExtra,
-    ScoredRow,
-    StepPlan,
-    StepPlanner,
-    check_step_capacity,
-)
-from lightning_grpo.progress import ProgressCollator, RolloutProgress, RolloutStop
-from lightning_grpo.records import RolloutSample
+from lightning_grpo.pipeline.collating import ProgressCollator
+from lightning_grpo.pipeline.grouping import GroupedQueue
+from lightning_grpo.pipeline.ledger import RolloutProgress, RolloutStop
+from lightning_grpo.pipeline.planner import GroupExtra, ScoredRow, StepPlan, StepPlanner, check_step_capacity
+from lightning_grpo.rollout.records import RolloutSample
 
 
 def make_group(

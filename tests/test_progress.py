@@ -24,16 +24,14 @@ from hypothesis import strategies as st
 from test_planner import make_group, queue_of
 from torch.utils.data import DataLoader
 
-from lightning_grpo.batch import StepBatch
-from lightning_grpo.planner import GroupedQueue, StepPlanner
-from lightning_grpo.progress import (
-    ProgressCollator,
-    RolloutProgress,
-    RolloutStop,
-    SampleFilterQueue,
-    StopAwareDataset,
-)
-from lightning_grpo.schedule import GroupSchedule
+from lightning_grpo.pipeline.batch import StepBatch
+from lightning_grpo.pipeline.collating import ProgressCollator
+from lightning_grpo.pipeline.filtering import SampleFilterQueue
+from lightning_grpo.pipeline.grouping import GroupedQueue
+from lightning_grpo.pipeline.ledger import RolloutProgress, RolloutStop
+from lightning_grpo.pipeline.planner import StepPlanner
+from lightning_grpo.pipeline.stopping import StopAwareDataset
+from lightning_grpo.rollout.schedule import GroupSchedule
 
 POLL_S = 0.005
 

@@ -21,6 +21,6 @@ def test_callbacks_subpackage_exports():
 
 
 def test_importing_the_package_is_light():
-    code = "import sys, lightning_grpo.reward_pool; print('torch' in sys.modules, 'lightning' in sys.modules)"
+    code = "import sys, lightning_grpo.rollout.reward_pool; print('torch' in sys.modules, 'lightning' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["False", "False"]

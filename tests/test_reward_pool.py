@@ -25,14 +25,14 @@ import psutil
 import pytest
 from conftest import live_children
 
-from lightning_grpo.reward_pool import RewardProcessPool
 from lightning_grpo.rewards import accuracy, boxed_format
+from lightning_grpo.rollout.reward_pool import RewardProcessPool
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 POISON = "\\boxed{9^{9^{9^{9}}}}"
 GOOD = "7 + 5 = 12\n\nThe answer is \\boxed{12}."
-LOGGER = "lightning_grpo.reward_pool"
+LOGGER = "lightning_grpo.rollout.reward_pool"
 
 
 def lengths(completions, **kwargs):
@@ -149,7 +149,7 @@ def test_identical_errors_are_logged_once_then_counted(no_leaked_processes, capl
 
 
 def test_repeated_errors_are_summarised_periodically(caplog):
-    from lightning_grpo.reward_pool import _ErrorLog
+    from lightning_grpo.rollout.reward_pool import _ErrorLog
 
     errors = _ErrorLog(interval_s=0.0)
     caplog.set_level(logging.WARNING, logger=LOGGER)
@@ -332,7 +332,7 @@ def test_workers_die_when_the_pool_owner_is_sigkilled(no_leaked_processes):
     script = textwrap.dedent(
         """
         import sys, time
-        from lightning_grpo.reward_pool import RewardProcessPool
+        from lightning_grpo.rollout.reward_pool import RewardProcessPool
         def sleeps(completions, **kwargs):
             time.sleep(60)
         pool = RewardProcessPool([sleeps], num_workers=2, timeout=120)
@@ -406,7 +406,7 @@ def test_pool_runs_inside_a_daemonic_spawned_process(no_leaked_processes, tmp_pa
         textwrap.dedent(
             f"""
             import multiprocessing
-            from lightning_grpo.reward_pool import RewardProcessPool
+            from lightning_grpo.rollout.reward_pool import RewardProcessPool
             from lightning_grpo.rewards import accuracy
 
             def score(queue):

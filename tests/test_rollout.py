@@ -19,11 +19,12 @@ import torch
 from datasets import Dataset
 from rollouts import collect_groups
 
-from lightning_grpo.advantages import compute_group_advantages
-from lightning_grpo.generation import GeneratorSpec, PolicySpec, teacher_forced_logprobs
-from lightning_grpo.records import SCORE_PAYLOAD
-from lightning_grpo.rollout import GRPORolloutWorker
-from lightning_grpo.weight_transfer import SharedMemoryWeightTransfer
+from lightning_grpo.rollout.advantages import compute_group_advantages
+from lightning_grpo.rollout.generator import GeneratorSpec, PolicySpec
+from lightning_grpo.rollout.records import SCORE_PAYLOAD
+from lightning_grpo.rollout.sampling import teacher_forced_logprobs
+from lightning_grpo.rollout.worker import GRPORolloutWorker
+from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer
 
 G = 4  # generations per group
 MAX_TOKENS = 10

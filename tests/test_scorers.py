@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from packed_rows import collate_step, plan_step, rollout_group, tiny_reward_model
 
 from lightning_grpo.models import tiny_llama
-from lightning_grpo.packing import chunk_inputs
-from lightning_grpo.records import RolloutSample
-from lightning_grpo.scorers import FeatureMatchingScorer, RewardModelScorer
-from lightning_grpo.scoring import extra_uid, score_step
+from lightning_grpo.rollout.records import RolloutSample
+from lightning_grpo.scoring.packing import chunk_inputs
+from lightning_grpo.scoring.scorer import extra_uid
+from lightning_grpo.scoring.scorers import FeatureMatchingScorer, RewardModelScorer
+from lightning_grpo.scoring.step import score_step
 
 MODULE = torch.nn.Linear(1, 1)
 REFERENCE = [7, 8, 9, 10, 3]

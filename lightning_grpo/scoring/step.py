@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import re
-from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,138 +25,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .advantages import Aggregation, ScaleRewards, compute_group_advantages
-from .batch import MicroBatch, StepBatch
+from ..pipeline.batch import MicroBatch, StepBatch
+from ..rollout.advantages import Aggregation, ScaleRewards, compute_group_advantages
 from .packing import chunk_inputs
-from .progress import ProgressCollator
+from .scorer import FILLER_UID, TrainerScorer, decode_extra_uid
 
 if TYPE_CHECKING:
-    from .planner import ScoredRow
-    from .progress import RolloutProgress
-    from .records import RolloutSample
-
-#: `features` uids above this bound are samples; extras are encoded below -1 (see `extra_uid`); -1 is a filler.
-FILLER_UID = -1
-_EXTRAS_PER_GROUP = 1 << 16
-
-
-def extra_uid(group_id: int, index: int) -> int:
-    """The uid `features` reports for a group extra: `GroupExtra(group_id=..., index=...)` -> a negative int < -1."""
-    if not 0 <= index < _EXTRAS_PER_GROUP or group_id < 0:
-        raise ValueError(f"`extra_uid(group_id={group_id}, index={index})`: need group_id >= 0 and 0 <= index < 65536.")
-    return -2 - (group_id * _EXTRAS_PER_GROUP + index)
-
-
-def decode_extra_uid(uid: int) -> tuple[int, int]:
-    """`(group_id, index)` of an `extra_uid`."""
-    return divmod(-2 - uid, _EXTRAS_PER_GROUP)
-
-
-class TrainerScorer(ABC):
-    """One reward column computed on the trainer from a group's samples.
-
-    `group_extras` and `collate` run on rank 0 while steps are planned and packed; `features` runs on every rank for
-    every micro-batch, so it may run collective forwards (FSDP); `group_rewards` runs on every rank, on the gathered
-    features. The scorer's column joins the rollout's reward columns (after them, in scorer order) in
-    `compute_group_advantages`, with its weight in `reward_weights`.
-
-    Attributes:
-        name: the reward column's name (in logs: `rewards/<name>`).
-    """
-
-    name: str = "trainer_score"
-
-    def group_extras(self, samples: list[RolloutSample]) -> list[Any]:
-        """Sequences scored with a group but not trained, e.g. a reference answer (rank 0, planning time).
-
-        The planner stores each as `GroupExtra(scorer, group_id, index, value)` in one of the group's rows' `extras`;
-        `collate` reads them back. Default: none.
-        """
-        return []
-
-    @abstractmethod
-    def collate(
-        self, rows: list[ScoredRow], index: int
-    ) -> tuple[list[dict[str, torch.Tensor]], dict[str, int | float]]:
-        """Per-row input tensors for `features` and their padding values (rank 0).
-
-        `rows` are one micro-batch's rows (row r goes to rank r); `index` is this scorer's position, which marks its
-        entries in `row.extras`. Every row must yield input for `features`, also when it holds only filler samples
-        (uid -1), so that collective forwards line up across ranks. Keys prefixed `c{j}_` split a row into chunks,
-        each scored by its own `features` call; every row of a micro-batch must then have the same number of chunks,
-        for the same reason. `packing.collate_sequences` does all of this for token sequences.
-
-        Returns:
-            `(inputs, pad_values)`: one dict of 1-D tensors per row, and the value to pad each key with.
-        """
-
-    @abstractmethod
-    def features(self, module: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(uids, features)` of the sequences in one rank's chunk of a micro-batch (every rank).
-
-        `module` is the LightningModule (for its device). `uids` (n,) int64 names each sequence: its `sample_uid`
-        for a sample, `extra_uid(group_id, index)` for a group extra, -1 for a filler (ignored); `features` is
-        `(n, ...)`. Runs under `torch.no_grad()`.
-        """
-
-    @abstractmethod
-    def group_rewards(
-        self, sample_features: torch.Tensor, extra_features: torch.Tensor
-    ) -> tuple[torch.Tensor | np.ndarray, dict[str, float]]:
-        """Rewards of a group's samples, and metrics to average over groups (every rank).
-
-        Args:
-            sample_features: `(G, ...)` the group's samples, in `sample_uid` order.
-            extra_features: `(E, ...)` the group's extras, in `group_extras` order (E may be 0).
-
-        Returns:
-            `(rewards, metrics)`: `(G,)` rewards, NaN where not scored, and floats averaged over the step's groups.
-        """
-
-
-class ScoringCollator(ProgressCollator):
-    """TRL's collator plus what `score_step` needs on every rank.
-
-    `ProgressCollator`'s packed rows (with the samples' uids, truncation flags and rollout reward columns), plus
-    each scorer's `collate(rows, index)` output under `s{index}_` keys of the rank's micro-batch. Rows are not padded
-    across ranks: each rank receives its own dicts.
-
-    Args:
-        progress: the run's `RolloutProgress`.
-        recorder: called on rank 0 with each `StepPlan` before it is packed (e.g. to keep the prompts and
-            completions an `on_rollouts_scored` hook reads); None records nothing.
-        scorers: the trainer scorers, in `s{index}_` order (the planner's `scorers`).
-        **kwargs: `ProgressCollator`'s `num_processes`, `pad_token_id` and `reward_names`.
-    """
-
-    def __init__(
-        self,
-        progress: RolloutProgress | None = None,
-        recorder: Any = None,
-        scorers: Sequence[TrainerScorer] = (),
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(progress, **kwargs)
-        self.recorder = recorder
-        self.scorers = list(scorers)
-
-    def __call__(self, item: Any) -> list[StepBatch]:
-        if self.recorder is not None and not isinstance(item, Exception):
-            self.recorder(item)
-        return super().__call__(item)
-
-    def collate_micro_batch(self, rows: list[ScoredRow]) -> list[MicroBatch]:
-        batches = super().collate_micro_batch(rows)
-        for index, scorer in enumerate(self.scorers):
-            inputs, _ = scorer.collate(rows, index)
-            if len(inputs) != len(rows):
-                raise ValueError(
-                    f"{type(scorer).__name__}.collate returned inputs for {len(inputs)} rows, not {len(rows)}: every "
-                    "row (filler rows too) must get input, so that collective forwards line up across ranks."
-                )
-            for batch, row_inputs in zip(batches, inputs, strict=True):
-                batch.update({f"s{index}_{key}": value for key, value in row_inputs.items()})
-        return batches
+    from ..pipeline.ledger import RolloutProgress
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from ._trl import (
+from .._trl import (
     RolloutGroup,
     TrainingSequence,
     _AsyncRolloutLoop,
@@ -30,16 +30,14 @@ from ._trl import (
     get_callable_name,
     is_async_callable,
 )
+from ..data import as_messages
 from .advantages import compute_group_advantages
-from .data import as_messages
 from .records import SCORE_PAYLOAD, RolloutSample
 from .reward_pool import RewardProcessPool
-from .rollout_worker import GRPORolloutWorker
 from .schedule import GroupSchedule
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SCORE_PAYLOAD", "GRPORolloutLoop", "GRPORolloutWorker", "RewardProcessPool", "compute_group_advantages"]
 
 #: Seconds between heartbeats while the loop idles (schedule done, or paced).
 IDLE_POLL_S = 0.05
@@ -509,7 +507,7 @@ class GRPORolloutLoop(_AsyncRolloutLoop):
 
     async def _retry(self, coro_factory: Callable[[], Any], *, label: str, max_attempts: int = 1) -> Any:
         """Retry transport errors and 5xx until `vllm_retry_timeout_s` passed (`max_attempts` is ignored)."""
-        from .vllm_server import server_log_tail, server_process_alive
+        from ..serving.vllm_server import server_log_tail, server_process_alive
 
         deadline = time.monotonic() + self.vllm_retry_timeout_s
         attempt = 0

@@ -15,15 +15,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .attention import tree_model_kwargs, use_tree_attention
+from ..attention import tree_model_kwargs, use_tree_attention
+from ..rollout.records import SCORE_PAYLOAD, RolloutSample
 from .packing import collate_sequences, unpack_sequences
-from .records import SCORE_PAYLOAD, RolloutSample
-from .scoring import TrainerScorer, extra_uid
+from .scorer import TrainerScorer, extra_uid
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from .planner import ScoredRow
+    from ..pipeline.planner import ScoredRow
 
 Pooling = Literal["mean", "last"]
 _PER_SEQUENCE = ("uids", "starts")

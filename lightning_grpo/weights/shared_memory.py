@@ -34,10 +34,10 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -487,75 +487,3 @@ class SharedMemoryWeightReceiver:
             )
         self._targets = (id(model), pairs)
         return pairs
-
-
-def make_weight_transfer(
-    generator: Literal["embedded", "vllm"],
-    model: torch.nn.Module,
-    *,
-    vllm_server_url: str = "http://localhost:8000",
-    vllm_server_timeout: float = 240.0,
-    weight_sync_timeout: int = 1800,
-    vllm_transfer: Literal["auto", "http", "nccl"] = "auto",
-) -> Any:
-    """The weight-transfer backend for a generator: shared memory for "embedded", HTTP or NCCL for "vllm".
-
-    For "vllm", `vllm_transfer` picks how weights reach the server:
-
-    - `"http"`: `VLLMHTTPWeightTransfer` writes safetensors to `/dev/shm` and has the server reload them through its
-      development endpoints. It needs no GPU and no vllm in this environment, only a server on this machine started
-      by `python -m lightning_grpo.vllm_server` (or with its worker extension and `VLLM_SERVER_DEV_MODE=1`).
-    - `"nccl"`: TRL's `WeightTransferClient`, which streams the weights over NCCL into a server started with
-      `VLLM_SERVER_DEV_MODE=1` and `--weight-transfer-config '{"backend":"nccl"}'`. It needs vllm installed here and
-      a GPU; this path cannot be tested on a CPU machine and is wired up as TRL's trainer wires it.
-    - `"auto"` (default): NCCL when CUDA is available, else HTTP.
-
-    Args:
-        generator: "embedded" or "vllm".
-        model: the unwrapped policy; its parameters are the manifest (names, dtypes, shapes).
-        vllm_server_url: the vLLM server ("vllm" only).
-        vllm_server_timeout: seconds to wait for the server to be reachable ("vllm" only).
-        weight_sync_timeout: seconds allowed for the NCCL handshake and each transfer ("nccl" only).
-        vllm_transfer: "auto", "http" or "nccl" ("vllm" only).
-
-    Raises:
-        ValueError: an unknown generator or `vllm_transfer`.
-        ImportError: "nccl" without vllm installed.
-    """
-    if generator == "embedded":
-        return SharedMemoryWeightTransfer(model)
-    if generator != "vllm":
-        raise ValueError(
-            f"`make_weight_transfer(generator={generator!r})` is not a generator. Use 'embedded' or 'vllm'."
-        )
-    if vllm_transfer not in ("auto", "http", "nccl"):
-        raise ValueError(f"`make_weight_transfer(vllm_transfer={vllm_transfer!r})`: use 'auto', 'http' or 'nccl'.")
-    if vllm_transfer == "http" or (vllm_transfer == "auto" and not torch.cuda.is_available()):
-        from .vllm_transfer import VLLMHTTPWeightTransfer
-
-        return VLLMHTTPWeightTransfer(vllm_server_url, model=model, server_timeout=vllm_server_timeout)
-    return _vllm_weight_transfer(model, vllm_server_url, vllm_server_timeout, weight_sync_timeout)
-
-
-def _vllm_weight_transfer(model: torch.nn.Module, url: str, server_timeout: float, sync_timeout: int) -> Any:
-    from trl.experimental.async_grpo.vllm_client import VLLMClient
-    from trl.experimental.async_grpo.weight_transfer import WeightTransferClient
-
-    names, dtype_names, shapes = [], [], []
-    for name, param in vllm_named_params(model):
-        names.append(name)
-        dtype_names.append(str(param.dtype).removeprefix("torch."))
-        shapes.append(list(param.shape))
-    info = {"names": names, "dtype_names": dtype_names, "shapes": shapes}
-    return WeightTransferClient(VLLMClient(url, server_timeout), info, weight_sync_timeout=sync_timeout)
-
-
-def vllm_named_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The `(name, tensor)` stream a vLLM server expects: trainable parameters under their checkpoint names.
-
-    Send exactly this stream (gathering DTensors with `full_tensor()`) through the client `make_weight_transfer`
-    returns for "vllm": the server sized its buffers from it.
-    """
-    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
-
-    return _iter_vllm_named_params(model)

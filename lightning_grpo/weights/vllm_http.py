@@ -6,7 +6,7 @@ through its development endpoints:
 
     POST /pause?mode=keep          in-flight requests are frozen, not dropped; they resume on the new weights
     POST /collective_rpc           {"method": "reload_from_path", "kwargs": {"path": <folder>}}: load the file and
-                                   re-pack a tied output layer (the worker extension `_vllm_worker_ext.py`)
+                                   re-pack a tied output layer (the worker extension `serving/vllm_worker_ext.py`)
     POST /reset_prefix_cache       cached prefixes were computed with the old weights
     POST /resume
     remove the previous folder
@@ -117,7 +117,7 @@ class VLLMHTTPWeightTransfer:
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"VLLMHTTPWeightTransfer(server_url={self.server_url!r}): no vLLM server answered /health within "
-                    f"server_timeout={self.server_timeout} s. Start one with `python -m lightning_grpo.vllm_server`."
+                    f"server_timeout={self.server_timeout} s. Start one with `python -m lightning_grpo.serving.vllm_server`."
                 )
             time.sleep(0.5)
         self._has_extension = self._probe_extension()
@@ -126,9 +126,9 @@ class VLLMHTTPWeightTransfer:
                 f"The vLLM server at {self.server_url} does not load lightning_grpo's worker extension, and the "
                 "policy's output layer is (or may be) tied to its embeddings: vLLM's CPU backend would keep sampling "
                 "with the old output layer after a reload. Start the server with "
-                "`python -m lightning_grpo.vllm_server` (or pass "
+                "`python -m lightning_grpo.serving.vllm_server` (or pass "
                 "`--worker-extension-cls lightning_grpo_vllm_ext.TiedHeadReloadExtension` with "
-                "lightning_grpo/_vllm_worker_ext.py copied as lightning_grpo_vllm_ext.py onto its PYTHONPATH)."
+                "lightning_grpo/serving/vllm_worker_ext.py copied as lightning_grpo_vllm_ext.py onto its PYTHONPATH)."
             )
         self._ready = True
 
@@ -202,7 +202,7 @@ class VLLMHTTPWeightTransfer:
         if response.status_code == 404:
             raise RuntimeError(
                 f"The vLLM server at {self.server_url} has no /collective_rpc endpoint: start it with "
-                "VLLM_SERVER_DEV_MODE=1 (`python -m lightning_grpo.vllm_server` does)."
+                "VLLM_SERVER_DEV_MODE=1 (`python -m lightning_grpo.serving.vllm_server` does)."
             )
         return response.status_code == 200
 

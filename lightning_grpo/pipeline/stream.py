@@ -16,8 +16,12 @@ import torch
 import torch.distributed as dist
 
 from .batch import StepBatch
-from .planner import GroupedQueue, StepPlanner
-from .progress import ProgressCollator, RolloutProgress, RolloutStop, SampleFilterQueue, StopAwareDataset
+from .collating import ProgressCollator
+from .filtering import SampleFilterQueue
+from .grouping import GroupedQueue
+from .ledger import RolloutProgress, RolloutStop
+from .planner import StepPlanner
+from .stopping import StopAwareDataset
 
 log = logging.getLogger(__name__)
 

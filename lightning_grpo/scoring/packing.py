@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from trl.experimental.async_grpo.packing import TreeRow
+
+from .._trl import TreeRow
 
 TokenSequence = Sequence[int] | np.ndarray | torch.Tensor
 

@@ -1,0 +1,115 @@
+"""The contract between GRPOModule and GRPODataModule: what training needs from the rollout side, and what the
+callbacks call on it.
+
+`RolloutContract` is a frozen record the data module builds in `setup` and the module reads once, in its own
+`setup`: nothing the loss or the scorers depend on is read from the data module's hyper-parameters or private
+attributes, and nothing has a silent default. `RolloutSource` is the small protocol the module and the callbacks
+call; `GRPODataModule` implements it, and so can any data module that feeds `GRPOModule` its own `StepBatch`es.
+`PolicySource` is the reverse direction: what the data module reads from the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from .pipeline.batch import StepBatch
+    from .pipeline.ledger import RolloutProgress
+    from .weights.sync import WeightSync
+
+
+@dataclass(frozen=True)
+class RolloutContract:
+    """What the rollouts a `GRPOModule` trains on were made with, and how their advantages are formed.
+
+    Attributes:
+        tokenizer: the policy's tokenizer (validation renders prompts and decodes completions with it).
+        temperature: the generator's sampling temperature; the loss divides the policy's logits by it.
+        top_p: the generator's nucleus mass.
+        top_k: the generator's top-k (0 = off).
+        max_completion_length: tokens per completion (validation's default budget).
+        reward_names: the rollout reward columns, in `StepBatch.reward_names` order.
+        reward_weights: one weight per rollout reward column.
+        multi_objective_aggregation: `"sum_then_normalize"` or `"normalize_then_sum"`.
+        scale_rewards: `"group"`, `"batch"` or `"none"`.
+        mask_truncated_completions: truncated completions train nothing.
+    """
+
+    tokenizer: Any
+    temperature: float
+    top_p: float
+    top_k: int
+    max_completion_length: int
+    reward_names: tuple[str, ...]
+    reward_weights: tuple[float, ...]
+    multi_objective_aggregation: str
+    scale_rewards: str
+    mask_truncated_completions: bool
+
+    def __post_init__(self) -> None:
+        if len(self.reward_weights) != len(self.reward_names):
+            raise ValueError(
+                f"`RolloutContract(reward_weights={list(self.reward_weights)})` needs one weight per reward column "
+                f"{list(self.reward_names)}."
+            )
+
+
+@runtime_checkable
+class RolloutSource(Protocol):
+    """What `GRPOModule` and the callbacks call on their data module (`GRPODataModule` implements it).
+
+    Attributes:
+        weight_sync: pushes the policy to the generator and keeps the policy version (`WeightSyncCallback`).
+        progress: rank 0's progress ledger (None on other ranks); `score_step` reports scored groups to it.
+        process_group: the process group trainer scoring gathers over (None: the default one).
+    """
+
+    weight_sync: WeightSync | None
+    progress: RolloutProgress | None
+    process_group: Any
+
+    def rollout_contract(self) -> RolloutContract:
+        """The contract, once `setup` ran (`GRPOModule.setup` reads it)."""
+        ...
+
+    def finish_step(self, batch: StepBatch, *, look_ahead: bool) -> StepBatch | None:
+        """Every rank, after `batch` trained: record it, and with `look_ahead` fetch the next step.
+
+        Returns the stop item when the stream ended there (`RolloutStopCallback` ends the run on it).
+        """
+        ...
+
+    def stream_stop(self) -> StepBatch | None:
+        """The stop item the training stream ended with, if it ended."""
+        ...
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """Rank 0: what the rollout side measured since the last call (`RolloutMetricsCallback`)."""
+        ...
+
+    def progress_summary(self) -> dict[str, int] | None:
+        """`{"groups_consumed", "groups_total"}` (`GRPOProgressBar`)."""
+        ...
+
+    def score_completions(self, completions: list[list[dict]], rows: list[dict]) -> dict[str, list[float]]:
+        """Every reward function's rewards for validation `completions` of `rows`."""
+        ...
+
+
+@runtime_checkable
+class PolicySource(Protocol):
+    """What the data module reads from its LightningModule (`GRPOModule` implements it).
+
+    Attributes:
+        policy: the causal LM being trained (unwrapped; sharded in place under FSDP2).
+        model_name: the policy's `load_policy` name, or None for a policy passed as a module.
+        scorers: trainer scorers; with any, advantages are left pending for `score_step`.
+    """
+
+    policy: torch.nn.Module
+    model_name: str | None
+    scorers: Sequence[Any]

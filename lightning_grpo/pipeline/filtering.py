@@ -1,0 +1,123 @@
+"""The filter stage: whole groups that would train nothing are dropped before planning, each reported once."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..metrics import append_metric
+from ..rollout.records import RolloutSample
+from .ledger import RolloutProgress
+
+log = logging.getLogger(__name__)
+
+
+class SampleFilterQueue:
+    """Drops whole groups that would train nothing, reporting each drop to `progress`.
+
+    Checks, in this order, each group once (the first that applies is the reason):
+
+    - `stale`: `model_version() - group version > max_staleness`.
+    - `oversize`: a sample has more than `token_budget` tokens (only when `token_budget > 0`).
+    - `truncated`: every sample is truncated, under `mask_truncated_completions`. In a partly truncated group the
+      truncated samples stay (for scoring) with their `completion_mask` zeroed, so they train nothing.
+    - `no_signal`: every sample that still trains has advantage exactly 0. Groups with a pending (NaN) advantage pass
+      through for trainer scoring.
+
+    A group already consumed (a duplicate; never expected) is skipped with a warning, so nothing trains twice.
+    Metrics appended to `metrics`: `progress/dropped_<reason>_total`, and for each passed group
+    `sample/staleness_mean`, `sample/staleness_max` and `sample/time_in_queue_s` (per sample).
+
+    Args:
+        groups: source of whole groups with `get(timeout)`, e.g. `GroupedQueue`.
+        progress: the run's `RolloutProgress` (None: drop without accounting).
+        model_version: the trainer's current policy version.
+        max_staleness: how many versions a group may lag the policy.
+        mask_truncated_completions: drop fully truncated groups and mask truncated samples.
+        token_budget: the planner's per-row token cap; `<= 0` disables the oversize check.
+        metrics: TRL-style sink, `dict[str, list]`.
+    """
+
+    def __init__(
+        self,
+        groups: Any,
+        progress: RolloutProgress | None,
+        *,
+        model_version: Callable[[], int],
+        max_staleness: int,
+        mask_truncated_completions: bool,
+        token_budget: int,
+        metrics: dict[str, list] | None = None,
+    ) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"`SampleFilterQueue(max_staleness={max_staleness})` must be at least 0.")
+        self.groups = groups
+        self.progress = progress
+        self.model_version = model_version
+        self.max_staleness = max_staleness
+        self.mask_truncated_completions = mask_truncated_completions
+        self.token_budget = token_budget
+        self.metrics = metrics
+
+    def get(self, timeout: float | None = None) -> list[RolloutSample]:
+        """The next trainable group; raises `queue.Empty` after `timeout` seconds, `RolloutStop` when the run ends."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.progress is not None:
+            self.progress.check()
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            group = self.groups.get(timeout=remaining)
+            if self._keep(group):
+                return group
+
+    def _keep(self, group: list[RolloutSample]) -> bool:
+        group_id = group[0].group_id
+        if self.progress is not None and group_id in self.progress.consumed:
+            log.warning("Skipping group %d: it was already consumed (a duplicate from the rollout loop).", group_id)
+            append_metric(self.metrics, "progress/duplicate_total", 1.0)
+            return False
+        staleness = self.model_version() - min(sample.model_version for sample in group)
+        reason = self._drop_reason(group, staleness)
+        if reason is not None:
+            log.info(
+                "Dropping group %d (%s): group version %d, policy version %d.",
+                group_id,
+                reason,
+                min(sample.model_version for sample in group),
+                self.model_version(),
+            )
+            append_metric(self.metrics, f"progress/dropped_{reason}_total", 1.0)
+            if self.progress is not None:
+                self.progress.drop(group_id, reason)
+            return False
+        if self.mask_truncated_completions:
+            for sample in group:
+                if sample.truncated:
+                    sample.completion_mask = np.zeros_like(sample.completion_mask)
+        now = time.time()
+        append_metric(self.metrics, "sample/staleness_mean", float(staleness))
+        append_metric(self.metrics, "sample/staleness_max", float(staleness))
+        for sample in group:
+            if sample.enqueued_at is not None:
+                append_metric(self.metrics, "sample/time_in_queue_s", now - sample.enqueued_at)
+        return True
+
+    def _drop_reason(self, group: list[RolloutSample], staleness: int) -> str | None:
+        if staleness > self.max_staleness:
+            return "stale"
+        if self.token_budget > 0 and any(sample.num_tokens > self.token_budget for sample in group):
+            return "oversize"
+        masked = [self.mask_truncated_completions and sample.truncated for sample in group]
+        if all(masked):
+            return "truncated"
+        advantages = [sample.advantage for sample in group]
+        if any(math.isnan(a) for a in advantages):
+            return None
+        if all(a == 0.0 for a, m in zip(advantages, masked, strict=True) if not m):
+            return "no_signal"
+        return None

@@ -1,0 +1,269 @@
+"""The progress ledger: which prompt groups are consumed, why, and when the stream must stop.
+
+TRL ends an epoch-bounded run only when an optimizer step ends, so a run whose remaining rollouts are all dropped
+(no reward signal, truncated, too stale, too long) would generate forever. `RolloutProgress` owns the set of consumed
+group ids (trained or dropped) that the epoch bound and resume read, counts drops by reason, and raises
+`RolloutStop` when every group of the run is consumed, or when `stall_groups` groups in a row were consumed without
+one training. Each transition has one writer on rank 0: the filter stage drops (`SampleFilterQueue`), the collator
+records collated groups (`ProgressCollator`), `score_step` records scored ones, and the data module commits a step
+once it trained.
+
+Rank 0 only, single-threaded: the DataLoader (`num_workers=0`) and the callbacks run on the main thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: Why `SampleFilterQueue` drops a group, and the knob that changes it (quoted in the stall error).
+DROP_HINTS = {
+    "no_signal": "every sample of a group got the same reward: check the reward functions, or raise "
+    "num_generations or the sampling temperature",
+    "stale": "groups arrived more than max_staleness versions behind the policy: raise max_staleness, or generate "
+    "less far ahead (lower max_inflight_tasks)",
+    "truncated": "every completion hit the length limit: raise max_completion_length, or set "
+    "mask_truncated_completions=False",
+    "oversize": "a sample (or a group) does not fit the planner's budget: raise token_budget or steps",
+}
+
+
+class RolloutStop(Exception):  # noqa: N818 - the seed's name
+    """Ends the rollout stream; `error` is set when the run made no progress or rank 0's pipeline failed.
+
+    `error` is text, so the stop pickles and crosses processes (every rank receives it as a `StepBatch.stop_item`).
+    """
+
+    def __init__(self, error: str | None = None) -> None:
+        super().__init__(error)
+        self.error = error
+
+    def __repr__(self) -> str:
+        return f"RolloutStop(error={self.error!r})"
+
+
+class RolloutProgress:
+    """Consumed and trained prompt groups, and the stream's stop conditions.
+
+    A group is *consumed* once it trained or its rollouts were dropped. A group moves through these states:
+
+    - `hold(ids)`: collated with advantages pending (trainer scoring). Counted consumed for the end-of-run check, but
+      neither resets nor extends a stall; `score_step` later reports it with `train` or `exclude`.
+    - `train(ids)`: collated into a step that trains it. Resets the stall run. Not yet in `state_dict()`.
+    - `commit(ids)`: the optimizer step that trained it is done. Lightning collates batch k+1 before batch k trains
+      and before a checkpoint at step k is saved, so only committed groups are checkpointed as trained; collated but
+      uncommitted ones are regenerated on resume.
+    - `drop(id, reason)` / `exclude(id, reason)`: consumed without training (final at once, checkpointed). Each
+      extends the stall run and counts under its reason.
+
+    The stream ends with `RolloutStop()` once `epochs_done` group ids are consumed, and with `RolloutStop(error=...)`
+    once `stall_groups` groups in a row were consumed without one training (the stall wins when both hold).
+
+    Args:
+        consumed: group ids consumed before this run (a `set` is updated in place, so a caller may share it).
+        epochs_done: the number of groups in the run, `len(GroupSchedule)`: the epochs are done once that many
+            distinct ids (all in `range(epochs_done)`) are consumed.
+        stall_groups: how many groups in a row may be consumed without one training; callers default it to one
+            pass over the prompts.
+
+    Raises:
+        ValueError: on non-positive `epochs_done` or `stall_groups`, or ids outside `range(epochs_done)`.
+
+    Example::
+
+        progress = RolloutProgress(epochs_done=len(schedule), stall_groups=schedule.num_prompts)
+        progress.load_state_dict(checkpoint_state)  # on resume
+        child_ids = schedule.group_ids(skip=set(progress.consumed))
+    """
+
+    def __init__(self, consumed: Iterable[int] = (), *, epochs_done: int, stall_groups: int) -> None:
+        if epochs_done < 1 or stall_groups < 1:
+            raise ValueError(
+                f"`RolloutProgress(epochs_done={epochs_done}, stall_groups={stall_groups})`: both must be at least 1 "
+                "(epochs_done is the run's number of groups, len(GroupSchedule))."
+            )
+        self.epochs_done = epochs_done
+        self.stall_groups = stall_groups
+        self.consumed: set[int] = consumed if isinstance(consumed, set) else set(consumed)
+        self._check_ids(self.consumed, "consumed")
+        self.dropped: Counter[str] = Counter()  # drops per reason, over the whole run
+        self.excluded: Counter[str] = Counter()  # exclusions per reason, over the whole run
+        self.trained_total = 0  # committed trained groups, over the whole run
+        self._uncommitted: set[int] = set()
+        self._held: set[int] = set()
+        self._stall_run = 0
+        self._stall_reasons: Counter[str] = Counter()
+
+    def outstanding(self) -> int:
+        """Groups of the run not consumed yet (some may sit in the planner's open step)."""
+        return self.epochs_done - len(self.consumed)
+
+    def settled(self) -> int:
+        """Groups whose fate is final: trained and committed, dropped or excluded. Generation is paced on it."""
+        return len(self.consumed) - len(self._uncommitted) - len(self._held)
+
+    @property
+    def stall_run(self) -> int:
+        """Groups consumed in a row without one training."""
+        return self._stall_run
+
+    def train(self, group_ids: Iterable[int]) -> None:
+        """Record groups that trained (collated into a step); resets the stall run. Commit them after the step."""
+        new = self._claim(group_ids, "train")
+        for group_id in new:
+            self._held.discard(group_id)
+            self._uncommitted.add(group_id)
+        if new:
+            self._stall_run = 0
+            self._stall_reasons.clear()
+
+    def hold(self, group_ids: Iterable[int]) -> None:
+        """Record collated groups whose advantages are pending; `train` or `exclude` resolves each later."""
+        for group_id in self._claim(group_ids, "hold", allow_held=False):
+            self._held.add(group_id)
+
+    def commit(self, group_ids: Iterable[int]) -> None:
+        """Mark trained groups as final once the optimizer step that trained them is done (rank 0).
+
+        Ids already final (dropped, excluded, committed) are ignored.
+
+        Raises:
+            ValueError: for an id never collated, or one still held (score_step did not report it).
+        """
+        group_ids = list(group_ids)
+        held = [g for g in group_ids if g in self._held]
+        unknown = [g for g in group_ids if g not in self.consumed]
+        problems = []
+        if held:
+            problems.append(
+                f"groups {held} are held for trainer scoring (score_step must report each with train() or exclude() first)"
+            )
+        if unknown:
+            problems.append(f"groups {unknown} were never collated")
+        if problems:
+            raise ValueError(f"`RolloutProgress.commit({group_ids})`: {'; '.join(problems)}.")
+        for group_id in group_ids:
+            if group_id in self._uncommitted:
+                self._uncommitted.remove(group_id)
+                self.trained_total += 1
+
+    def drop(self, group_id: int, reason: str) -> None:
+        """Count `group_id` as consumed without training; may end the stream (raises `RolloutStop`)."""
+        if self._consume_untrained(group_id, reason, self.dropped, "drop"):
+            self.check()
+
+    def exclude(self, group_id: int, reason: str = "masked") -> None:
+        """Count a collated group whose every sample scoring took out of the loss.
+
+        Runs outside the stream (in `score_step`), so it never raises `RolloutStop`: a stall it completes is raised
+        by the stream's next `check`, or after the run's last step by `stall_error`.
+        """
+        self._check_ids([group_id], "exclude")
+        if group_id in self._held or group_id in self._uncommitted:
+            self._held.discard(group_id)
+            self._uncommitted.discard(group_id)
+            self.consumed.discard(group_id)  # consumed again below, as excluded
+        self._consume_untrained(group_id, reason, self.excluded, "exclude")
+
+    def check(self) -> None:
+        """End the stream when a full pass over the prompts trained no group, or when every group is consumed.
+
+        Raises:
+            RolloutStop: with `error` on a stall, without when the run's groups are all consumed.
+        """
+        error = self.stall_error()
+        if error is not None:
+            raise RolloutStop(error=error)
+        if len(self.consumed) >= self.epochs_done:
+            raise RolloutStop()
+
+    def stall_error(self) -> str | None:
+        """The stall error when `stall_groups` groups in a row were consumed without one training, else None.
+
+        Call it on rank 0 when a clean stop item arrives, and raise the error on every rank if there is one: the
+        stream ends as soon as the last step is collated (held groups count as consumed), before `score_step` can
+        exclude that step's groups, so a stall those exclusions complete is only visible here.
+        """
+        return self._stall_message() if self._stall_run >= self.stall_groups else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs, as plain ints, lists and dicts (Lightning loads checkpoints with weights_only=True).
+
+        Consumed ids are the final ones (committed, dropped, excluded), stored as `frontier` (the smallest id not
+        consumed) plus the sorted ids above it.
+        """
+        final = self.consumed - self._uncommitted - self._held
+        frontier = 0
+        while frontier in final:
+            frontier += 1
+        return {
+            "frontier": frontier,
+            "consumed_above": sorted(g for g in final if g > frontier),
+            "dropped": dict(self.dropped),
+            "excluded": dict(self.excluded),
+            "trained_total": self.trained_total,
+            "stall_run": self._stall_run,
+            "stall_reasons": dict(self._stall_reasons),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output; ids at or past `epochs_done` (a run made shorter) are left out."""
+        ids = set(range(min(int(state.get("frontier", 0)), self.epochs_done)))
+        ids.update(int(g) for g in state.get("consumed_above", ()) if 0 <= int(g) < self.epochs_done)
+        self.consumed.clear()
+        self.consumed.update(ids)
+        self.dropped = Counter(state.get("dropped", {}))
+        self.excluded = Counter(state.get("excluded", {}))
+        self.trained_total = int(state.get("trained_total", 0))
+        self._stall_run = int(state.get("stall_run", 0))
+        self._stall_reasons = Counter(state.get("stall_reasons", {}))
+        self._uncommitted.clear()
+        self._held.clear()
+
+    def _check_ids(self, group_ids: Iterable[int], verb: str) -> None:
+        bad = [g for g in group_ids if not 0 <= g < self.epochs_done]
+        if bad:
+            raise ValueError(
+                f"`RolloutProgress.{verb}`: group ids {bad[:10]} are outside the run's range(epochs_done="
+                f"{self.epochs_done}). Set epochs_done to len(GroupSchedule) of the schedule that made them."
+            )
+
+    def _claim(self, group_ids: Iterable[int], verb: str, allow_held: bool = True) -> list[int]:
+        """Consume the ids not consumed yet (and held ones when `allow_held`); warn about the others."""
+        group_ids = list(group_ids)
+        self._check_ids(group_ids, verb)
+        new, seen = [], []
+        for group_id in dict.fromkeys(group_ids):
+            if group_id not in self.consumed or (allow_held and group_id in self._held):
+                new.append(group_id)
+                self.consumed.add(group_id)
+            else:
+                seen.append(group_id)
+        if seen:
+            log.warning("RolloutProgress.%s: groups %s were already consumed; ignoring them.", verb, seen[:10])
+        return new
+
+    def _consume_untrained(self, group_id: int, reason: str, counter: Counter[str], verb: str) -> bool:
+        self._check_ids([group_id], verb)
+        if group_id in self.consumed:
+            log.warning("RolloutProgress.%s: group %d was already consumed; ignoring it.", verb, group_id)
+            return False
+        self.consumed.add(group_id)
+        counter[reason] += 1
+        self._stall_run += 1
+        self._stall_reasons[reason] += 1
+        return True
+
+    def _stall_message(self) -> str:
+        reasons = ", ".join(f"{reason}: {count}" for reason, count in self._stall_reasons.most_common())
+        hints = "; ".join(f"{r}: {DROP_HINTS[r]}" for r, _ in self._stall_reasons.most_common() if r in DROP_HINTS)
+        return (
+            f"RolloutProgress(stall_groups={self.stall_groups}): {self._stall_run} prompt groups in a row were "
+            f"consumed without one training ({reasons}), so the run stopped instead of generating forever. "
+            f"HINT: {hints or 'check the trainer scorers, which excluded every sample'}. Raise stall_groups to "
+            "tolerate longer stretches without training."
+        )

@@ -1,0 +1,59 @@
+"""ScoringCollator: the progress collator plus each trainer scorer's inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..pipeline.batch import MicroBatch, StepBatch
+from ..pipeline.collating import ProgressCollator
+from .scorer import TrainerScorer
+
+if TYPE_CHECKING:
+    from ..pipeline.ledger import RolloutProgress
+    from ..pipeline.planner import ScoredRow
+
+
+class ScoringCollator(ProgressCollator):
+    """TRL's collator plus what `score_step` needs on every rank.
+
+    `ProgressCollator`'s packed rows (with the samples' uids, truncation flags and rollout reward columns), plus
+    each scorer's `collate(rows, index)` output under `s{index}_` keys of the rank's micro-batch. Rows are not padded
+    across ranks: each rank receives its own dicts.
+
+    Args:
+        progress: the run's `RolloutProgress`.
+        recorder: called on rank 0 with each `StepPlan` before it is packed (e.g. to keep the prompts and
+            completions an `on_rollouts_scored` hook reads); None records nothing.
+        scorers: the trainer scorers, in `s{index}_` order (the planner's `scorers`).
+        **kwargs: `ProgressCollator`'s `num_processes`, `pad_token_id` and `reward_names`.
+    """
+
+    def __init__(
+        self,
+        progress: RolloutProgress | None = None,
+        recorder: Any = None,
+        scorers: Sequence[TrainerScorer] = (),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(progress, **kwargs)
+        self.recorder = recorder
+        self.scorers = list(scorers)
+
+    def __call__(self, item: Any) -> list[StepBatch]:
+        if self.recorder is not None and not isinstance(item, Exception):
+            self.recorder(item)
+        return super().__call__(item)
+
+    def collate_micro_batch(self, rows: list[ScoredRow]) -> list[MicroBatch]:
+        batches = super().collate_micro_batch(rows)
+        for index, scorer in enumerate(self.scorers):
+            inputs, _ = scorer.collate(rows, index)
+            if len(inputs) != len(rows):
+                raise ValueError(
+                    f"{type(scorer).__name__}.collate returned inputs for {len(inputs)} rows, not {len(rows)}: every "
+                    "row (filler rows too) must get input, so that collective forwards line up across ranks."
+                )
+            for batch, row_inputs in zip(batches, inputs, strict=True):
+                batch.update({f"s{index}_{key}": value for key, value in row_inputs.items()})
+        return batches

@@ -1,0 +1,94 @@
+"""`make_weight_transfer`: the weight-transfer backend a generator needs, and whether it takes every parameter."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from .._trl import iter_vllm_named_params, nccl_weight_transfer_client
+from .parameters import checkpoint_name
+
+Generator = Literal["embedded", "vllm"]
+VLLMTransfer = Literal["auto", "http", "nccl"]
+
+
+def make_weight_transfer(
+    generator: Generator,
+    model: torch.nn.Module,
+    *,
+    vllm_server_url: str = "http://localhost:8000",
+    vllm_server_timeout: float = 240.0,
+    weight_sync_timeout: int = 1800,
+    vllm_transfer: VLLMTransfer = "auto",
+) -> Any:
+    """The weight-transfer backend for a generator: shared memory for "embedded", HTTP or NCCL for "vllm".
+
+    For "vllm", `vllm_transfer` picks how weights reach the server:
+
+    - `"http"`: `VLLMHTTPWeightTransfer` writes safetensors to `/dev/shm` and has the server reload them through its
+      development endpoints. It needs no GPU and no vllm in this environment, only a server on this machine started
+      by `python -m lightning_grpo.serving.vllm_server` (or with its worker extension and `VLLM_SERVER_DEV_MODE=1`).
+    - `"nccl"`: TRL's `WeightTransferClient`, which streams the weights over NCCL into a server started with
+      `VLLM_SERVER_DEV_MODE=1` and `--weight-transfer-config '{"backend":"nccl"}'`. Its manifest is TRL's
+      (`uses_trainable_only` is then True: `WeightSync` must stream the same parameters). It needs vllm installed
+      here and a GPU; this path cannot run on a CPU machine and is wired up as TRL's trainer wires it.
+    - `"auto"` (default): NCCL when CUDA is available, else HTTP.
+
+    Args:
+        generator: "embedded" or "vllm".
+        model: the unwrapped policy; its parameters are the manifest (names, dtypes, shapes; no gather needed).
+        vllm_server_url: the vLLM server ("vllm" only).
+        vllm_server_timeout: seconds to wait for the server to be reachable ("vllm" only).
+        weight_sync_timeout: seconds allowed for the NCCL handshake and each transfer ("nccl" only).
+        vllm_transfer: "auto", "http" or "nccl" ("vllm" only).
+
+    Raises:
+        ValueError: an unknown generator or `vllm_transfer`.
+        ImportError: "nccl" without vllm installed.
+    """
+    kind = transfer_kind(generator, vllm_transfer)
+    if kind == "shared_memory":
+        from .shared_memory import SharedMemoryWeightTransfer
+
+        return SharedMemoryWeightTransfer(model)
+    if kind == "http":
+        from .vllm_http import VLLMHTTPWeightTransfer
+
+        return VLLMHTTPWeightTransfer(vllm_server_url, model=model, server_timeout=vllm_server_timeout)
+    return nccl_weight_transfer_client(vllm_server_url, vllm_server_timeout, nccl_manifest(model), weight_sync_timeout)
+
+
+def transfer_kind(generator: Generator, vllm_transfer: VLLMTransfer = "auto") -> str:
+    """`"shared_memory"`, `"http"` or `"nccl"`: the backend `make_weight_transfer` builds (every rank can ask).
+
+    Raises:
+        ValueError: an unknown generator or `vllm_transfer`.
+    """
+    if generator == "embedded":
+        return "shared_memory"
+    if generator != "vllm":
+        raise ValueError(
+            f"`make_weight_transfer(generator={generator!r})` is not a generator. Use 'embedded' or 'vllm'."
+        )
+    if vllm_transfer not in ("auto", "http", "nccl"):
+        raise ValueError(f"`make_weight_transfer(vllm_transfer={vllm_transfer!r})`: use 'auto', 'http' or 'nccl'.")
+    if vllm_transfer == "http" or (vllm_transfer == "auto" and not torch.cuda.is_available()):
+        return "http"
+    return "nccl"
+
+
+def uses_trainable_only(kind: str) -> bool:
+    """Whether a backend of `kind` takes TRL's vLLM manifest (trainable parameters only) rather than all of them."""
+    return kind == "nccl"
+
+
+def nccl_manifest(model: torch.nn.Module) -> dict[str, list]:
+    """TRL's NCCL manifest: names, dtypes and (global) shapes of the parameters `WeightSync(trainable_only=True)`
+    streams, in its order."""
+    names, dtype_names, shapes = [], [], []
+    for name, param in iter_vllm_named_params(model):
+        names.append(checkpoint_name(name))
+        dtype_names.append(str(param.dtype).removeprefix("torch."))
+        shapes.append(list(param.shape))
+    return {"names": names, "dtype_names": dtype_names, "shapes": shapes}

@@ -1,0 +1,196 @@
+"""WeightSync: the one owner of pushing the trainer's weights to the generator, and of the policy version."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .parameters import full_parameters, generator_parameters
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class WeightTransfer(Protocol):
+    """TRL's `WeightTransferProtocol`: a backend that moves weights into a generator (called on rank 0 only)."""
+
+    def init_weight_transfer(self) -> None:
+        """Set up the transfer (an NCCL group, a shared block); called once, before the first send."""
+
+    def pause(self) -> None:
+        """Hold the generator before weights are swapped in."""
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Stream `(name, tensor)` pairs into the generator."""
+
+    def resume(self) -> None:
+        """Let the generator go on with the new weights."""
+
+    def destroy(self) -> None:
+        """Release the transfer's resources."""
+
+
+class WeightSync:
+    """Pushes the policy's full weights to the generator, and keeps the version they carry.
+
+    Every rank holds one and calls `push` at the same points, because gathering a sharded parameter is a collective;
+    only the rank holding the `transfer` (rank 0) sends. Before its first send the transfer is initialised, once,
+    whatever the backend (TRL's NCCL client silently sends nothing before that). Each push streams
+    `generator_parameters(policy)`: full tensors under the policy's checkpoint names, TRL's vLLM manifest when
+    `trainable_only`.
+
+    `version` is the run's one policy version. The first push of a run (or of a resumed run) publishes the current
+    version; each later push publishes the next one. A backend whose `send_weights` takes `version` (the shared-memory
+    and vLLM HTTP transfers) gets it with the weights, so the embedded generator tags its samples with the version of
+    the weights it actually applied; `on_version` listeners (the rollout worker's `update_model_version`, read by the
+    vLLM path) hear of it once it is published. The staleness filter, the metrics and the checkpoint
+    (`state_dict`) read the same number.
+
+    Args:
+        transfer: on the sending rank, the backend (a `SharedMemoryWeightTransfer`, a `VLLMHTTPWeightTransfer`, TRL's
+            `WeightTransferClient`, any TRL `WeightTransferProtocol`) or a factory called with the policy at the first
+            push (`SharedMemoryWeightTransfer` itself is one); None on the other ranks.
+        trainable_only: stream TRL's vLLM manifest (trainable parameters only) instead of every parameter. The same
+            on every rank.
+
+    Raises:
+        TypeError: `transfer` is neither a `WeightTransferProtocol` nor a callable (the message names what it lacks).
+
+    Example::
+
+        sync = WeightSync(SharedMemoryWeightTransfer if rank == 0 else None)
+        sync.push(policy)  # every rank; version 0 reaches the generator
+        ...                # an optimizer step
+        sync.push(policy)  # version 1
+    """
+
+    def __init__(
+        self,
+        transfer: WeightTransfer | Callable[[torch.nn.Module], WeightTransfer] | None = None,
+        *,
+        trainable_only: bool = False,
+    ) -> None:
+        self.transfer: WeightTransfer | None = None
+        self._make_transfer: Callable[[torch.nn.Module], WeightTransfer] | None = None
+        if isinstance(transfer, WeightTransfer):
+            self.transfer = transfer
+        elif callable(transfer):
+            self._make_transfer = transfer
+        elif transfer is not None:
+            missing = [name for name in _PROTOCOL_METHODS if not callable(getattr(transfer, name, None))]
+            raise TypeError(
+                f"`WeightSync(transfer={type(transfer).__name__})` is not a weight transfer: it lacks {missing} of "
+                f"TRL's WeightTransferProtocol ({', '.join(_PROTOCOL_METHODS)}), and is not a factory of one."
+            )
+        self.trainable_only = trainable_only
+        self.version = 0
+        self.last_push_s: float | None = None
+        self._published = False
+        self._initialised = False
+        self._listeners: list[Callable[[int], None]] = []
+        self._closed = False
+
+    @property
+    def sends(self) -> bool:
+        """Whether this rank sends (holds a transfer or its factory)."""
+        return self.transfer is not None or self._make_transfer is not None
+
+    def on_version(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(version)` on the sending rank after each published push (and now, with the current one)."""
+        self._listeners.append(listener)
+        if self._published:
+            listener(self.version)
+
+    def push(self, policy: torch.nn.Module, *, wrapped: torch.nn.Module | None = None) -> int:
+        """Every rank: stream `policy`'s full parameters; the sending rank publishes them. Returns the version.
+
+        Args:
+            policy: the unwrapped policy (its checkpoint names are the generator's).
+            wrapped: the strategy's wrapper around the LightningModule (`trainer.model`), for FSDP1's gather.
+
+        Raises:
+            RuntimeError: after `close()`.
+            Whatever the transfer raises; the other ranks' gathers still complete, so no rank is left in a collective.
+        """
+        if self._closed:
+            raise RuntimeError("`WeightSync.push()` called after `close()`; a new run needs a new WeightSync.")
+        if self.transfer is None and self._make_transfer is not None:
+            self.transfer = self._make_transfer(policy)
+        version = self.version + 1 if self._published else self.version
+        started = time.monotonic()
+        with full_parameters(wrapped if wrapped is not None else policy):
+            stream = generator_parameters(policy, trainable_only=self.trainable_only)
+            try:
+                if self.transfer is not None:
+                    self._send(stream, version)
+            finally:
+                for _ in stream:  # gathers the sender did not reach (other ranks, or a failed send) still happen
+                    pass
+        self.version = version
+        self._published = True
+        self.last_push_s = time.monotonic() - started
+        for listener in self._listeners if self.transfer is not None else ():
+            listener(version)
+        return version
+
+    def _send(self, stream: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        transfer = self.transfer
+        if not self._initialised:
+            transfer.init_weight_transfer()
+            self._initialised = True
+        transfer.pause()
+        try:
+            if _takes_version(transfer):
+                transfer.send_weights(stream, version=version)
+            else:
+                transfer.send_weights(stream)
+        finally:
+            transfer.resume()
+        log.debug("Pushed the policy's weights as version %d.", version)
+
+    def receiver(self) -> Any:
+        """The generator's side of the transfer (`SharedMemoryWeightTransfer.receiver()`), for the embedded generator.
+
+        Raises:
+            TypeError: the transfer has no receiver (a vLLM server receives by itself).
+        """
+        get = getattr(self.transfer, "receiver", None)
+        if get is None:
+            raise TypeError(
+                f"The weight transfer {type(self.transfer).__name__} has no receiver for a generator (push once "
+                "first; a vLLM server receives by itself)."
+            )
+        return get()
+
+    def state_dict(self) -> dict[str, Any]:
+        """`{"version": ...}`: saved in checkpoints, so a resumed run never reuses a version number."""
+        return {"version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the version; the next push republishes it (the restored weights are that version)."""
+        self.version = int(state.get("version", 0))
+        self._published = False
+
+    def close(self) -> None:
+        """Destroy the transfer (idempotent); a later push needs a new `WeightSync`."""
+        self._closed = True
+        self._make_transfer = None
+        transfer, self.transfer = self.transfer, None
+        if transfer is not None:
+            transfer.destroy()
+
+
+_PROTOCOL_METHODS = ("init_weight_transfer", "pause", "send_weights", "resume", "destroy")
+
+
+def _takes_version(transfer: Any) -> bool:
+    """Whether `transfer.send_weights` takes the version with the weights (ours do; TRL's protocol does not)."""
+    try:
+        return "version" in inspect.signature(transfer.send_weights).parameters
+    except (TypeError, ValueError):
+        return False
