@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import inspect
 import logging
 import math
@@ -20,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -41,10 +39,12 @@ STARTUP_TIMEOUT_S = 120.0
 ERROR_SUMMARY_INTERVAL_S = 60.0
 #: How often a waiting thread re-checks that its worker is alive and the pool is open.
 _POLL_S = 0.5
-_PR_SET_PDEATHSIG = 1
 # The worker is a fresh interpreter started with the parent's sys.path, so it imports this module and nothing else
 # (multiprocessing's spawn would also re-run the parent's `__main__`, e.g. a training script importing torch).
-_BOOT = f"import sys; sys.path[:] = sys.argv[3:]; from {__name__} import _worker_main; _worker_main(sys.argv[1:3])"
+_BOOT = (
+    "import sys; sys.path[:] = sys.argv[3:]; "
+    "from lightning_grpo.rollout.reward_worker import worker_main; worker_main(sys.argv[1:3])"
+)
 
 
 class RewardProcessPool:
@@ -579,94 +579,3 @@ def _shutdown(state: _PoolState) -> None:
         slot.kill(final=True)
         slot.release()
     state.errors.flush()
-
-
-# ---------------------------------------------------------------------------------------------- worker process
-
-
-def _worker_main(argv: list[str]) -> None:
-    """Entry point of a worker: load the reward functions, then run calls until the parent goes away."""
-    fd, parent_pid = int(argv[0]), int(argv[1])
-    _die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent decides
-    conn = Connection(fd)
-    try:
-        funcs, problems = _load_funcs(conn.recv())
-    except EOFError:
-        return
-    conn.send(("ready", problems))
-    while True:
-        try:
-            index, size, payload = conn.recv()
-        except EOFError:
-            return
-        conn.send(_call(funcs[index], size, payload))
-
-
-def _load_funcs(blobs: list[bytes]) -> tuple[list[Callable[..., Any] | None], list[tuple[int, str]]]:
-    funcs, problems = [], []
-    for i, blob in enumerate(blobs):
-        try:
-            funcs.append(cloudpickle.loads(blob))
-        except BaseException as err:
-            funcs.append(None)
-            problems.append(
-                (
-                    i,
-                    f"cannot be loaded in a worker ({err!r}). A function that lives in an importable module is sent "
-                    f"by reference, so that module must import in a fresh interpreter.\n{traceback.format_exc()}",
-                )
-            )
-    return funcs, problems
-
-
-def _call(func: Callable[..., Any], size: int, payload: bytes) -> tuple[str, list[float] | None, str, str, str]:
-    """Runs one call; returns (kind, rewards, message, site, traceback) for the parent."""
-    try:
-        result = func(**cloudpickle.loads(payload))
-    except BaseException as err:
-        frame = traceback.extract_tb(err.__traceback__)[-1]
-        return "error", None, f"{type(err).__name__}: {err}", f"{frame.filename}:{frame.lineno}", traceback.format_exc()
-    try:
-        return "ok", _as_rewards(result, size), "", "", ""
-    except Exception as err:
-        return "error", None, str(err), "result", ""
-
-
-def _as_rewards(result: Any, size: int) -> list[float]:
-    values = result.tolist() if hasattr(result, "tolist") else result  # numpy arrays and tensors
-    if not isinstance(values, list | tuple) or len(values) != size:
-        raise TypeError(f"it returned {_short_repr(result)}; expected a list of {size} floats, one per completion.")
-    rewards = []
-    for value in values:
-        if value is None:
-            rewards.append(_NAN)
-        elif isinstance(value, numbers.Real):
-            rewards.append(float(value))
-        else:
-            raise TypeError(
-                f"it returned {_short_repr(result)}, which holds {value!r}; rewards must be floats or None."
-            )
-    return rewards
-
-
-def _short_repr(value: Any, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Makes this worker exit when its parent does, even when the parent is SIGKILLed."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
-
-
-def _watch_parent(parent_pid: int) -> None:
-    # A fallback for platforms without PR_SET_PDEATHSIG: an orphan is re-parented, so its ppid changes.
-    while os.getppid() == parent_pid:
-        time.sleep(_POLL_S)
-    os._exit(0)

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import multiprocessing as mp
 import os
 import queue
-import signal
-import sys
 import threading
 import time
 import traceback
@@ -17,6 +14,8 @@ from typing import Any
 
 import cloudpickle
 import psutil
+
+from .lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -263,23 +262,6 @@ def _kill_all(processes: list[psutil.Process]) -> None:
         with contextlib.suppress(psutil.Error):
             process.kill()
     psutil.wait_procs(processes, timeout=3.0)
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Make this process die when `parent_pid` dies, even by SIGKILL (Linux prctl, plus a polling fallback)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            pr_set_pdeathsig = 1
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="grpo-parent-watch", daemon=True).start()
 
 
 def _child_entry(
