@@ -8,12 +8,14 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
+from lightning_grpo.contract import RolloutSource
+
 
 class GRPOProgressBar(TQDMProgressBar):
     """Lightning's TQDM bar plus `groups` (consumed/total), `reward` and `stale` (mean staleness of the last step).
 
-    The stream has no length (it ends when the groups are consumed), so the step count alone says little; the group
-    count is the run's real progress.
+    The step count alone says little (the stream's length is only a bound: it ends when the groups are consumed);
+    the group count is the run's real progress.
     """
 
     @override
@@ -21,7 +23,7 @@ class GRPOProgressBar(TQDMProgressBar):
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
         datamodule = trainer.datamodule
-        summary = datamodule.progress_summary() if hasattr(datamodule, "progress_summary") else None
+        summary = datamodule.progress_summary() if isinstance(datamodule, RolloutSource) else None
         if summary:
             metrics["groups"] = f"{summary['groups_consumed']}/{summary['groups_total']}"
         logged = trainer.callback_metrics

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_grpo.pipeline.batch import StepBatch
+from lightning_grpo.contract import RolloutSource
 
 
 class RolloutMetricsCallback(Callback):
@@ -18,18 +18,16 @@ class RolloutMetricsCallback(Callback):
     `rollout/inflight`, `rollout/pacing_wait_s`, `rollout/backpressure_s`, `completions/mean_length`,
     `completions/clipped_ratio`, `reward_pool/{calls,errors,timeouts,restarts}_total`, `reward_pool/busy_s`, and the
     trainer-side `progress/dropped_<reason>_total`, `progress/groups_consumed` and `perf/rollout_wait_s`.
-    Counters (`*_total`) are cumulative over the run; gauges are averaged since the last step, rates are ratios of
-    sums.
+    Counters (`*_total`) are the increments since the last step; gauges are averaged since the last step, rates are
+    ratios of sums.
     """
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if isinstance(batch, StepBatch) and batch.stop:
-            return
         datamodule = trainer.datamodule
-        if not trainer.is_global_zero or datamodule is None or not hasattr(datamodule, "rollout_metrics"):
+        if not trainer.is_global_zero or not isinstance(datamodule, RolloutSource):
             return
         metrics = datamodule.rollout_metrics()
         if metrics:

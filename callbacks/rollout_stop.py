@@ -1,4 +1,4 @@
-"""Ends training on every rank at the same batch when the rollout stream stops."""
+"""Ends training on every rank at the same batch when the rollout stream stops, and records each trained step."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_grpo.contract import require_rollout_source
 from lightning_grpo.pipeline.batch import StepBatch
+
+from .weight_sync import WeightSyncCallback
 
 
 class RolloutStreamError(RuntimeError):
@@ -16,31 +19,65 @@ class RolloutStreamError(RuntimeError):
 
 
 class RolloutStopCallback(Callback):
-    """Stops `Trainer.fit` on every rank at the stop item that ends the rollout stream.
+    """Ends `Trainer.fit` on every rank at the stop item that ends the rollout stream; the run's end has no other
+    owner.
 
-    Rank 0's pipeline ends its stream with one stop item that every rank receives at the same batch (see
-    `GRPODataModule`). A normal stop (every prompt group consumed) sets `trainer.should_stop` on every rank, so fit
-    ends cleanly there, also with `max_epochs=-1`. A stop that carries an error (a full pass over the prompts trained
-    nothing, or the rollout child died) raises `RolloutStreamError` with that message on every rank at once, so no
-    rank is left waiting in a collective. A stall that trainer scoring completes while the last step trains (its
-    groups all excluded) is only known on rank 0 when the stop item arrives; it is broadcast and raised the same way.
+    After each optimizer step, on every rank, it tells the data module the step trained (rank 0 commits its groups to
+    the progress ledger, so a checkpoint written now counts them and no collated but untrained step) and has it fetch
+    the next step at once. The rollout stream ends with one stop item that every rank receives at that same fetch:
+
+    - a clean stop (every prompt group consumed) sets `trainer.should_stop` on every rank, so the fit ends after this
+      step, with Lightning's end-of-fit validation, also with `max_epochs=-1`;
+    - a stop with an error (a full pass over the prompts trained nothing, or the rollout child died or hung) raises
+      `RolloutStreamError` with that message on every rank at once, so no rank is left waiting in a collective.
+
+    The stop item never reaches `training_step`, the optimizer or the other callbacks. A stream that stops at its
+    first fetch (nothing left to train) ends the epoch with no batch and is handled at the epoch's end the same way.
+    It must run after `WeightSyncCallback` (the next step is planned only once the generator has this step's
+    weights); `GRPOModule` adds both, in that order.
+
+    Raises:
+        RolloutStreamError: on every rank, when the stream ends with an error.
+        TypeError, ValueError: (in `setup`) no `RolloutSource` data module, or a `WeightSyncCallback` after it.
 
     Example::
 
-        trainer = Trainer(callbacks=[RolloutStopCallback(), WeightSyncCallback()])
+        trainer = Trainer(callbacks=[WeightSyncCallback(), RolloutStopCallback()])
     """
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if not isinstance(batch, StepBatch) or not batch.stop:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
             return
-        error = batch.error
-        if error is None:
-            datamodule = trainer.datamodule
-            local = datamodule.stall_error() if trainer.is_global_zero and hasattr(datamodule, "stall_error") else None
-            error = trainer.strategy.broadcast(local, src=0)
-        if error:
-            raise RolloutStreamError(error)
+        require_rollout_source(trainer.datamodule, type(self).__name__)
+        position = trainer.callbacks.index(self)
+        late = [type(c).__name__ for c in trainer.callbacks[position:] if isinstance(c, WeightSyncCallback)]
+        if late:
+            raise ValueError(
+                f"`RolloutStopCallback` comes before {late[0]} in `Trainer(callbacks=...)`: it plans the next step, "
+                "which must wait for this step's weights. Put WeightSyncCallback first (or leave both out: "
+                "GRPOModule adds them in order)."
+            )
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        look_ahead = not trainer.should_stop and not _max_steps_reached(trainer)
+        self._end(trainer, trainer.datamodule.finish_step(batch, look_ahead=look_ahead))
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end(trainer, trainer.datamodule.stream_stop())
+
+    @staticmethod
+    def _end(trainer: pl.Trainer, stop: StepBatch | None) -> None:
+        if stop is None:
+            return
+        if stop.error:
+            raise RolloutStreamError(stop.error)
         trainer.should_stop = True
+
+
+def _max_steps_reached(trainer: pl.Trainer) -> bool:
+    return trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps

@@ -1,4 +1,4 @@
-"""Pushes the policy's weights to the generator and bumps the model version."""
+"""Pushes the policy's weights to the generator after optimizer steps."""
 
 from __future__ import annotations
 
@@ -8,58 +8,50 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_grpo.pipeline.batch import StepBatch
+from lightning_grpo.contract import require_rollout_source
 
 
 class WeightSyncCallback(Callback):
-    """Pushes the policy's weights to the generator every `every_n_steps` optimizer steps.
+    """Pushes the policy's weights to the generator every `every_n_steps` optimizer steps (TRL's `weight_sync_steps`).
 
-    The first push happens in `on_fit_start`, after a checkpoint is restored and before the data module starts
-    generating, so a resumed run generates with its restored weights. Each later push bumps `model_version`; samples
-    carry the version of the weights that generated them, which is what staleness is measured against.
-    `model_version` is saved in checkpoints, so a resumed run never reuses a version number.
+    The push and the policy version belong to the data module's `WeightSync`: it streams the full (gathered)
+    parameters under the generator's names, initialises the transfer once, publishes each push as the next version
+    and carries that version in the checkpoint. The data module also pushes once when training starts, before
+    generation begins, so a resumed run generates with its restored weights. Samples carry the version of the weights
+    that generated them, which is what staleness is measured against; it grows by one per push, not per step.
 
-    Runs on every rank (gathering sharded weights would be a collective); only rank 0 sends, through the data module's
-    weight transfer (shared memory for the embedded generator, HTTP or NCCL for a vLLM server).
+    Runs on every rank, because gathering sharded weights is a collective; only rank 0 sends. Logs `weights/version`
+    and `perf/weight_sync_s` (TRL's name).
 
     Args:
-        every_n_steps: optimizer steps between pushes; staleness grows by one per push, not per step.
+        every_n_steps: optimizer steps between pushes.
 
     Raises:
         ValueError: if `every_n_steps < 1`.
+        TypeError: (in `setup`) the data module does not implement `lightning_grpo.RolloutSource`.
+
+    Example::
+
+        trainer = Trainer(callbacks=[WeightSyncCallback(every_n_steps=2)])
     """
 
     def __init__(self, every_n_steps: int = 1) -> None:
         if every_n_steps < 1:
             raise ValueError(f"`WeightSyncCallback(every_n_steps={every_n_steps})` must be at least 1.")
         self.every_n_steps = every_n_steps
-        self.model_version = 0
 
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._push(trainer, pl_module)
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            require_rollout_source(trainer.datamodule, type(self).__name__)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if isinstance(batch, StepBatch) and batch.stop:
+        if trainer.global_step % self.every_n_steps:
             return
-        if trainer.global_step % self.every_n_steps == 0:
-            self.model_version += 1
-            self._push(trainer, pl_module)
-
-    def _push(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        datamodule = trainer.datamodule
-        if datamodule is None or not hasattr(datamodule, "push_weights"):
-            raise RuntimeError("WeightSyncCallback needs a GRPODataModule: pass `datamodule=` to `Trainer.fit`.")
-        if trainer.is_global_zero:
-            datamodule.push_weights(pl_module.policy_weights(), self.model_version)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"model_version": self.model_version}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.model_version = int(state_dict.get("model_version", 0))
+        sync = trainer.datamodule.weight_sync
+        version = sync.push(pl_module.policy, wrapped=trainer.model)
+        metrics = {"weights/version": float(version), "perf/weight_sync_s": sync.last_push_s}
+        pl_module.log_dict(metrics, rank_zero_only=True, on_step=True, on_epoch=False)

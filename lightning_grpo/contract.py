@@ -113,3 +113,20 @@ class PolicySource(Protocol):
     policy: torch.nn.Module
     model_name: str | None
     scorers: Sequence[Any]
+
+
+def require_rollout_source(datamodule: Any, who: str) -> RolloutSource:
+    """`datamodule`, checked to be a `RolloutSource`.
+
+    Raises:
+        TypeError: naming `who` needs it, what it got, and the fix.
+    """
+    if not isinstance(datamodule, RolloutSource):
+        got = "no data module" if datamodule is None else f"a {type(datamodule).__name__}"
+        raise TypeError(
+            f"{who} trains on a GRPODataModule (or a data module implementing lightning_grpo.RolloutSource), but got "
+            f"{got}: pass `datamodule=GRPODataModule(...)` to `Trainer.fit`/`validate`. GRPOModule reads the "
+            "rollouts' sampling temperature, reward weights and advantage options from it, and weights are pushed "
+            "through it."
+        )
+    return datamodule

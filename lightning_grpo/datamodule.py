@@ -1,10 +1,9 @@
-"""GRPODataModule: the prompts, the rewards, the rollout child and the stream of optimizer steps."""
+"""GRPODataModule: the prompts, the rewards, the rollout session and the stream of optimizer steps."""
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
-import queue
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -16,11 +15,19 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from ._imports import resolve_callable
+from ._trl import get_callable_name
+from .contract import PolicySource, RolloutContract
 from .data import as_messages, check_columns, check_source, load_prompts
-from .metrics import MetricWindow
+from .options import checked_loop_kwargs, resolve_loop_cls, validate_options
+from .pipeline.batch import StepBatch
 from .pipeline.ledger import RolloutProgress
+from .pipeline.planner import check_step_capacity
+from .pipeline.stream import StepStream
 from .rollout.schedule import GroupSchedule
-from .threads import is_trainer_threads, trainer_threads_for
+from .session import RolloutSession, SessionOptions
+from .threads import trainer_threads_for
+from .weights.factory import make_weight_transfer, transfer_kind, uses_trainable_only
+from .weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -33,15 +40,24 @@ RewardFunc = Callable[..., list[float | None]]
 class GRPODataModule(pl.LightningDataModule):
     """Prompts in, optimizer steps out: owns the rollout child, the reward functions and progress across resumes.
 
-    On rank 0, `train_dataloader()` starts a `GRPORolloutWorker` (generation and reward scoring in a CUDA-free child
-    process) and builds GroupedQueue → SampleFilterQueue → StepPlanner → collator → StopAwareDataset; every rank then
-    receives its rows of each optimizer step, and a stop item reaches all of them at the same batch when the run's
-    prompt groups are consumed. `state_dict()` carries the consumed groups, so `Trainer.fit(ckpt_path=...)` trains
-    every prompt group exactly once over the interrupted and the resumed run. `teardown` (and `on_exception`) stop the
-    child and its reward pool.
+    `setup` (every rank, nothing spawned) loads the prompts and the tokenizer, checks that a group fits a step, and
+    builds the `RolloutContract` the module reads and the `WeightSync` that owns weight pushes and the policy
+    version. `train_dataloader()` pushes the trainer's weights once (every rank: gathering sharded weights is a
+    collective), then rank 0 starts the rollout session (a `GRPORolloutWorker`: generation and reward scoring in a
+    CUDA-free child process; GroupedQueue → SampleFilterQueue → StepPlanner → collator over its queue), and every
+    rank receives its share of each optimizer step from a `StepStream`. `state_dict()` carries the consumed groups
+    and the policy version, so `Trainer.fit(ckpt_path=...)` trains every prompt group exactly once over the
+    interrupted and the resumed run. `teardown` (and `on_exception`) stop the child and its reward pool.
 
-    Use it with `GRPOModule`; the module's callbacks (`WeightSyncCallback`, `RolloutStopCallback`,
-    `RolloutMetricsCallback`) are added automatically.
+    It implements `lightning_grpo.RolloutSource`, what `GRPOModule` and the callbacks call. Use it with `GRPOModule`;
+    the module's callbacks (`WeightSyncCallback`, `RolloutMetricsCallback`, `RolloutStopCallback`) are added
+    automatically.
+
+    Raises:
+        ValueError: a bad option (every problem in one message), a reward or loop import path that does not import,
+            `loop_kwargs` that set the data module's own options; in `setup`, a dataset without a `prompt` column or a
+            group that can never fit one optimizer step (the message names the knob).
+        FileNotFoundError: a dataset file that does not exist.
 
     Args:
         model: the policy's name or path for the tokenizer and the generator; None takes the `GRPOModule`'s.
@@ -62,6 +78,10 @@ class GRPODataModule(pl.LightningDataModule):
         reward_timeout: seconds one reward call may take before it scores NaN.
         generator: `"embedded"` (the policy on CPU in the child) or `"vllm"` (TRL's HTTP path to a vLLM server).
         vllm_server_url: the vLLM server for `generator="vllm"`.
+        vllm_transfer: how weights reach a vLLM server: `"http"` (safetensors in `/dev/shm`, no GPU needed),
+            `"nccl"` (TRL's client) or `"auto"` (NCCL with CUDA, else HTTP). See `make_weight_transfer`.
+        weight_transfer: a TRL `WeightTransferProtocol` (or a factory called with the policy) to push weights through
+            instead of the generator's own backend; with `generator="embedded"` it must also have `receiver()`.
         num_generations: completions per prompt (the group size).
         max_completion_length: tokens per completion.
         temperature: sampling temperature; the loss divides the policy's logits by the same temperature.
@@ -81,8 +101,8 @@ class GRPODataModule(pl.LightningDataModule):
         generator_threads: torch threads of the embedded generator (None: torch's default).
         trainer_threads: torch threads the trainer trains with during `fit` (restored afterwards). `"auto"`: on a CPU
             with the embedded generator and one process, the cores the generator does not use, so the two do not
-            oversubscribe the CPU (1.28x faster on 2 cores, see `lightning_grpo.threads`); a number: that many;
-            None: leave torch's setting alone.
+            oversubscribe the CPU (see `lightning_grpo.threads`); a number: that many; None: leave torch's setting
+            alone.
         val_batch_size: held-out prompts per validation batch.
         loop_cls: a `GRPORolloutLoop` subclass (or its import path) for the rollout child to run instead, e.g. one
             that overrides `_trainer_score_payload` to send trainer scorers what they need beyond the samples
@@ -108,6 +128,8 @@ class GRPODataModule(pl.LightningDataModule):
         reward_timeout: float = 30.0,
         generator: Literal["embedded", "vllm"] = "embedded",
         vllm_server_url: str = "http://localhost:8000",
+        vllm_transfer: Literal["auto", "http", "nccl"] = "auto",
+        weight_transfer: Any = None,
         num_generations: int = 8,
         max_completion_length: int = 64,
         temperature: float = 1.0,
@@ -130,89 +152,78 @@ class GRPODataModule(pl.LightningDataModule):
         loop_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["dataset", "val_dataset", "reward_funcs", "loop_cls", "loop_kwargs"])
+        self.save_hyperparameters(
+            ignore=["dataset", "val_dataset", "reward_funcs", "loop_cls", "loop_kwargs", "weight_transfer"]
+        )
         self.model_name = model
         self.tokenizer_name = tokenizer
         self.dataset_source = dataset
         self.val_source = val_dataset
         self.reward_func_specs = list(reward_funcs)
-        _validate_options(self.hparams)
+        validate_options(self.hparams)
         # Fail on a bad import path or a missing file now, before Trainer.fit launches ranks or the rollout child.
         self.reward_funcs: list[RewardFunc] = [resolve_callable(f, "reward_funcs") for f in self.reward_func_specs]
         for source in (dataset, val_dataset):
             check_source(source)
-        self.loop_cls = _resolve_loop_cls(loop_cls)
-        self.loop_kwargs = _checked_loop_kwargs(loop_kwargs)
+        self.loop_cls = resolve_loop_cls(loop_cls)
+        self.loop_kwargs = checked_loop_kwargs(loop_kwargs)
+        self.weight_transfer = weight_transfer
         self.train_prompts: Dataset | None = None
         self.val_prompts: Dataset | None = None
         self.tokenizer: Any = None
         self.schedule: GroupSchedule | None = None
-        self.progress: RolloutProgress | None = None
-        self.model_version = 0
+        self.weight_sync: WeightSync | None = None
+        self.process_group: Any = None
+        self._progress: RolloutProgress | None = None
+        self._contract: RolloutContract | None = None
+        self._restored: dict[str, Any] = {}
+        self._session: RolloutSession | None = None
+        self._stream: StepStream | None = None
         self._threads_before: int | None = None
-        self.worker: Any = None
-        self.pipeline: Any = None
-        self._transfer: Any = None
-        self._restored: dict[str, Any] | None = None
-        self._group: Any = None
-        self._metrics: dict[str, list] = {}
-        self._rollout_window = MetricWindow()
         self._val_pool: Any = None
 
     # -- setup (every rank; no processes) ---------------------------------------------------------------------------
 
     def setup(self, stage: str) -> None:
-        """Load and check the prompts, tokenizer and reward functions; nothing is spawned here."""
+        """Load and check the prompts and the tokenizer, and build the contract; for `fit`, check that a group fits
+        one optimizer step and build the weight sync. Nothing is spawned here."""
+        if self.train_prompts is None:
+            self._load()
         if stage == "fit":
             self._share_cores()
-        if self.train_prompts is not None:
-            return
-        self.train_prompts = load_prompts(
-            self.dataset_source, size=self.hparams.dataset_size, seed=self.hparams.dataset_seed
-        )
-        check_columns(self.train_prompts, {"prompt"}, source=f"dataset={self.dataset_source!r}")
+            self._check_step_capacity()
+            self._make_weight_sync()
+            world = self.trainer.world_size
+            if world > 1 and dist.is_available() and dist.is_initialized() and self.process_group is None:
+                self.process_group = dist.new_group(
+                    backend="gloo"
+                )  # keeps pickled batches off the (NCCL) default group
+
+    def _load(self) -> None:
+        hp = self.hparams
+        prompts = load_prompts(self.dataset_source, size=hp.dataset_size, seed=hp.dataset_seed)
+        check_columns(prompts, {"prompt"}, source=f"dataset={self.dataset_source!r}")
         self.val_prompts = self._load_val_prompts()
         self.tokenizer = self._load_tokenizer()
-        self.schedule = GroupSchedule(len(self.train_prompts), self.hparams.epochs, self.hparams.seed)
-        self.progress = RolloutProgress(
-            epochs_done=len(self.schedule), stall_groups=self.hparams.stall_groups or len(self.train_prompts)
+        self.schedule = GroupSchedule(len(prompts), hp.epochs, hp.seed)
+        self._progress = RolloutProgress(epochs_done=len(self.schedule), stall_groups=hp.stall_groups or len(prompts))
+        if "progress" in self._restored:
+            self._progress.load_state_dict(self._restored["progress"])
+        names = tuple(get_callable_name(func) for func in self.reward_funcs)
+        weights = tuple(hp.reward_weights[: len(names)]) if hp.reward_weights else (1.0,) * len(names)
+        self._contract = RolloutContract(
+            tokenizer=self.tokenizer,
+            temperature=hp.temperature,
+            top_p=hp.top_p,
+            top_k=hp.top_k,
+            max_completion_length=hp.max_completion_length,
+            reward_names=names,
+            reward_weights=weights,
+            multi_objective_aggregation=hp.multi_objective_aggregation,
+            scale_rewards=hp.scale_rewards,
+            mask_truncated_completions=hp.mask_truncated_completions,
         )
-        if self._restored is not None:
-            self.progress.load_state_dict(self._restored)
-        world = self.trainer.world_size if self.trainer is not None else 1
-        if world > 1 and dist.is_available() and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")  # keeps pickled batches off the (NCCL) default group
-
-    def _share_cores(self) -> None:
-        from lightning.pytorch.accelerators import CPUAccelerator
-
-        if self._threads_before is not None:  # already set by an earlier `fit` setup
-            return
-        hp = self.hparams
-        current = torch.get_num_threads()
-        threads = trainer_threads_for(
-            hp.trainer_threads,
-            current=current,
-            on_cpu=isinstance(self.trainer.accelerator, CPUAccelerator),
-            embedded_generator=hp.generator == "embedded",
-            generator_threads=hp.generator_threads,
-            world_size=self.trainer.world_size,
-        )
-        if threads is None:
-            return
-        self._threads_before = current
-        torch.set_num_threads(threads)
-        log.info(
-            "Training with %d torch threads (was %d) beside the generator's %s.",
-            threads,
-            self._threads_before,
-            hp.generator_threads,
-        )
-
-    def _restore_threads(self) -> None:
-        before, self._threads_before = self._threads_before, None
-        if before is not None:
-            torch.set_num_threads(before)
+        self.train_prompts = prompts
 
     def _load_val_prompts(self) -> Dataset | None:
         source = self.val_source
@@ -240,95 +251,178 @@ class GRPODataModule(pl.LightningDataModule):
         name = getattr(module, "model_name", None)
         return name if isinstance(name, str) else None
 
-    # -- state ------------------------------------------------------------------------------------------------------
+    def _check_step_capacity(self) -> None:
+        hp = self.hparams
+        longest = None
+        if hp.token_budget > 0:
+            longest = max(map(len, self._prompt_token_ids())) + hp.max_completion_length
+        check_step_capacity(
+            hp.num_generations,
+            hp.gradient_accumulation_steps,
+            self.trainer.world_size,
+            hp.token_budget,
+            hp.samples_per_row or hp.num_generations,
+            max_sample_tokens=longest,
+        )
+
+    def _make_weight_sync(self) -> None:
+        if self.weight_sync is not None:
+            return
+        hp = self.hparams
+        kind = transfer_kind(hp.generator, hp.vllm_transfer)
+        transfer = None
+        if self.trainer.is_global_zero:
+            transfer = self.weight_transfer or functools.partial(
+                make_weight_transfer, hp.generator, vllm_server_url=hp.vllm_server_url, vllm_transfer=hp.vllm_transfer
+            )
+        self.weight_sync = WeightSync(transfer, trainable_only=uses_trainable_only(kind))
+        if "weight_sync" in self._restored:
+            self.weight_sync.load_state_dict(self._restored["weight_sync"])
+
+    def _share_cores(self) -> None:
+        from lightning.pytorch.accelerators import CPUAccelerator
+
+        if self._threads_before is not None:  # already set by an earlier `fit` setup
+            return
+        hp = self.hparams
+        current = torch.get_num_threads()
+        threads = trainer_threads_for(
+            hp.trainer_threads,
+            current=current,
+            on_cpu=isinstance(self.trainer.accelerator, CPUAccelerator),
+            embedded_generator=hp.generator == "embedded",
+            generator_threads=hp.generator_threads,
+            world_size=self.trainer.world_size,
+        )
+        if threads is None:
+            return
+        self._threads_before = current
+        torch.set_num_threads(threads)
+        log.info(
+            "Training with %d torch threads (was %d) beside the generator's %s.", threads, current, hp.generator_threads
+        )
+
+    def _restore_threads(self) -> None:
+        before, self._threads_before = self._threads_before, None
+        if before is not None:
+            torch.set_num_threads(before)
+
+    # -- the contract and state -------------------------------------------------------------------------------------
+
+    def rollout_contract(self) -> RolloutContract:
+        """What the module needs to know of the rollouts (see `RolloutContract`); available once `setup` ran.
+
+        Raises:
+            RuntimeError: before `setup`.
+        """
+        if self._contract is None:
+            raise RuntimeError(
+                "`GRPODataModule.rollout_contract()` is available once `setup` ran (Trainer.fit does it)."
+            )
+        return self._contract
+
+    @property
+    def progress(self) -> RolloutProgress | None:
+        """Rank 0's progress ledger (None on other ranks and before `setup`)."""
+        on_rank_zero = self.trainer is None or self.trainer.is_global_zero
+        return self._progress if on_rank_zero else None
 
     def state_dict(self) -> dict[str, Any]:
-        """The consumed prompt groups (rank 0's are written); see `RolloutProgress.state_dict`."""
-        return {"progress": self.progress.state_dict() if self.progress is not None else {}}
+        """The consumed prompt groups and the policy version (rank 0's are written); plain types only."""
+        state: dict[str, Any] = {"progress": self._progress.state_dict() if self._progress is not None else {}}
+        if self.weight_sync is not None:
+            state["weight_sync"] = self.weight_sync.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = state_dict.get("progress") or None
-        if self.progress is not None and self._restored is not None:
-            self.progress.load_state_dict(self._restored)
+        self._restored = {key: value for key, value in state_dict.items() if value}
+        if self._progress is not None and "progress" in self._restored:
+            self._progress.load_state_dict(self._restored["progress"])
+        if self.weight_sync is not None and "weight_sync" in self._restored:
+            self.weight_sync.load_state_dict(self._restored["weight_sync"])
+
+    @property
+    def rollout_worker(self) -> Any:
+        """Rank 0's `GRPORolloutWorker` during a fit (its `pid`, `check_health`), else None."""
+        return self._session.worker if self._session is not None else None
 
     def progress_summary(self) -> dict[str, int] | None:
-        if self.progress is None:
+        if self._progress is None:
             return None
-        return {"groups_consumed": len(self.progress.consumed), "groups_total": self.progress.epochs_done}
-
-    def stall_error(self) -> str | None:
-        """Rank 0: the stall error when the run's last groups were all excluded by trainer scoring."""
-        return self.progress.stall_error() if self.progress is not None else None
-
-    def commit(self, group_ids: Sequence[int]) -> None:
-        """Rank 0: the optimizer step that trained `group_ids` is done; they go into the next checkpoint."""
-        if self.progress is not None and self.trainer.is_global_zero:
-            self.progress.commit(group_ids)
-
-    # -- weights ----------------------------------------------------------------------------------------------------
-
-    def push_weights(self, named_tensors: Any, version: int) -> None:
-        """Rank 0: publish the policy's weights as `version`; the generator's next batch samples with them."""
-        if self._transfer is None:
-            self._transfer = self._make_transfer()
-        self._transfer.pause()
-        try:
-            self._transfer.send_weights(named_tensors, version=version)
-        finally:
-            self._transfer.resume()
-        self.model_version = version
-        if self.worker is not None:
-            self.worker.update_model_version(version)
-
-    def _make_transfer(self) -> Any:
-        from .weights.factory import make_weight_transfer
-
-        policy = self.trainer.lightning_module.policy
-        return make_weight_transfer(self.hparams.generator, policy, vllm_server_url=self.hparams.vllm_server_url)
+        return {"groups_consumed": len(self._progress.consumed), "groups_total": self._progress.epochs_done}
 
     # -- training stream --------------------------------------------------------------------------------------------
 
     def train_dataloader(self) -> DataLoader:
-        """Every rank's stream of optimizer steps; rank 0 starts the rollout child here."""
-        from .pipeline.stream import StepStream
+        """Every rank's stream of optimizer steps: push the weights once, then rank 0 starts the rollout session.
 
-        source = self._start_pipeline() if self.trainer.is_global_zero else None
-        stream = StepStream(
+        Runs after a checkpoint is restored (model, optimizer, this module's state), so the generator starts from the
+        restored weights under the restored version.
+        """
+        module = self._policy_source()
+        self.weight_sync.push(module.policy, wrapped=self.trainer.model)
+        source = self._start_session(module) if self.trainer.is_global_zero else None
+        self._stream = StepStream(
             source,
             rank=self.trainer.global_rank,
             world_size=self.trainer.world_size,
-            group=self._group,
-            on_stop=self._on_stream_stop,
-            max_batches=len(self.schedule) + 1,
+            group=self.process_group,
+            max_batches=len(self.schedule),
         )
-        return DataLoader(stream, batch_size=None, num_workers=0, collate_fn=_identity)
+        return DataLoader(self._stream, batch_size=None, num_workers=0, collate_fn=_identity)
 
-    def _on_stream_stop(self) -> None:
-        # StopIteration alone would start another epoch (max_epochs=-1) and iterate the ended stream again.
-        if self.trainer is not None:
-            self.trainer.should_stop = True
+    def finish_step(self, batch: StepBatch, *, look_ahead: bool) -> StepBatch | None:
+        """Every rank, after `batch`'s optimizer step: commit its groups (rank 0), and with `look_ahead` fetch the next
+        step now. Returns the stop item when the stream ended there (see `RolloutStopCallback`).
 
-    def _start_pipeline(self) -> Any:
-        from .pipeline.stream import RolloutPipeline
+        Raises:
+            RuntimeError: outside a fit (no stream).
+        """
+        if self._stream is None:
+            raise RuntimeError("`GRPODataModule.finish_step` is called during `Trainer.fit`, after a step trained.")
+        if self._progress is not None and self.trainer.is_global_zero:
+            self._progress.commit(batch.group_ids)
+        return self._stream.look_ahead() if look_ahead else None
 
-        if self.worker is not None:
-            self.close()
+    def stream_stop(self) -> StepBatch | None:
+        """The stop item the training stream ended with (every rank), or None while it goes on."""
+        return self._stream.stop if self._stream is not None else None
+
+    def _policy_source(self) -> PolicySource:
         module = self.trainer.lightning_module
-        scorers = list(getattr(module, "scorers", []) or [])
-        self.worker = self._make_worker(module, trainer_scored=bool(scorers))
-        self.worker.start()
-        self.pipeline = RolloutPipeline(
-            self.worker,
-            self.progress,
-            planner_kwargs=self._planner_kwargs(scorers),
-            collator=self._make_collator(scorers),
-            model_version=lambda: self.model_version,
-            max_staleness=self.hparams.max_staleness,
-            mask_truncated_completions=self.hparams.mask_truncated_completions,
-            heartbeat_timeout=self.hparams.heartbeat_timeout,
-            metrics=self._metrics,
+        if not isinstance(module, PolicySource):
+            raise TypeError(
+                f"GRPODataModule trains a GRPOModule (or a LightningModule with `policy`, `model_name` and `scorers`); "
+                f"got {type(module).__name__}."
+            )
+        return module
+
+    def _start_session(self, module: PolicySource) -> RolloutSession:
+        if self._session is not None:
+            self._session.close()
+        hp = self.hparams
+        eos = _eos_ids(self.tokenizer, module.policy)
+        options = SessionOptions(
+            model_name=self.model_name or module.model_name or "policy",
+            dataset=self.train_prompts,
+            reward_funcs=self.reward_funcs,
+            tokenizer=self.tokenizer,
+            eos_token_ids=tuple(eos),
+            hparams=hp,
+            loop_cls=self.loop_cls,
+            loop_kwargs=self.loop_kwargs,
+            world_size=self.trainer.world_size,
+            groups_per_step=self.groups_per_step(),
         )
-        return self.pipeline
+        self._session = RolloutSession.start(
+            options,
+            progress=self._progress,
+            scorers=list(module.scorers),
+            model_version=lambda: self.weight_sync.version,
+            generator=self._generator_spec(module, eos),
+        )
+        self.weight_sync.on_version(self._session.worker.update_model_version)
+        return self._session.pipeline
 
     def groups_per_step(self) -> int:
         """Prompt groups in one optimizer step (the planner's cap and the pacing unit)."""
@@ -348,86 +442,21 @@ class GRPODataModule(pl.LightningDataModule):
             for row in self.train_prompts
         ]
 
-    def _planner_kwargs(self, scorers: list[Any]) -> dict[str, Any]:
-        hp = self.hparams
-        return {
-            "num_processes": self.trainer.world_size,
-            "steps": hp.gradient_accumulation_steps,
-            "token_budget": hp.token_budget,
-            "samples_per_row": hp.samples_per_row or hp.num_generations,
-            "scorers": scorers,
-            "stop_token_ids": None,
-            "max_groups_per_step": self.groups_per_step(),
-        }
-
-    def _make_collator(self, scorers: list[Any]) -> Any:
-        from .pipeline.collating import ProgressCollator
-
-        names = [_reward_name(f) for f in self.reward_funcs]
-        kwargs = dict(
-            num_processes=self.trainer.world_size, pad_token_id=self.tokenizer.pad_token_id or 0, reward_names=names
-        )
-        if not scorers:
-            return ProgressCollator(self.progress, **kwargs)
-        from .scoring.collator import ScoringCollator
-
-        return ScoringCollator(self.progress, scorers=scorers, **kwargs)
-
-    def _make_worker(self, module: Any, trainer_scored: bool) -> Any:
-        from .rollout.worker import GRPORolloutWorker
-
-        hp = self.hparams
-        eos = _eos_ids(self.tokenizer, module.policy)
-        groups_per_step = self.groups_per_step()
-        options = dict(
-            model_name=self.model_name or getattr(module, "model_name", None) or "policy",
-            dataset=self.train_prompts,
-            reward_funcs=self.reward_funcs,
-            processing_class=self.tokenizer,
-            eos_token_ids=eos,
-            num_generations=hp.num_generations,
-            max_inflight_tasks=(hp.max_staleness + 1) * groups_per_step * hp.num_generations,
-            max_tokens=hp.max_completion_length,
-            temperature=hp.temperature,
-            top_p=hp.top_p,
-            top_k=hp.top_k,
-            vllm_server_url=hp.vllm_server_url,
-            generator=self._generator_spec(module, eos),
-            reward_weights=hp.reward_weights,
-            multi_objective_aggregation=hp.multi_objective_aggregation,
-            scale_rewards=hp.scale_rewards,
-            reward_num_workers=hp.reward_num_workers,
-            reward_timeout=hp.reward_timeout,
-            trainer_scored=trainer_scored,
-            epochs=hp.epochs,
-            seed=hp.seed,
-            consumed=set(self.progress.consumed),
-            groups_per_step=groups_per_step,
-            max_staleness=hp.max_staleness,
-        )
-        assert options.keys() == _LOOP_OPTION_NAMES, sorted(options.keys() ^ _LOOP_OPTION_NAMES)
-        return GRPORolloutWorker(
-            loop_cls=self.loop_cls, child_ready_timeout=hp.child_ready_timeout, **options, **self.loop_kwargs
-        )
-
-    def _generator_spec(self, module: Any, eos: list[int]) -> Any:
+    def _generator_spec(self, module: PolicySource, eos: list[int]) -> Any:
         if self.hparams.generator != "embedded":
             return None
         from .rollout.generator import GeneratorSpec, PolicySpec
 
         hp = self.hparams
-        if self._transfer is None:  # no WeightSyncCallback pushed yet: publish the current weights now
-            self.push_weights(module.policy_weights(), self.model_version)
         return GeneratorSpec(
-            policy=PolicySpec.from_model(module.policy),
+            PolicySpec.from_model(module.policy),
             eos_token_ids=tuple(eos),
             temperature=hp.temperature,
             top_p=hp.top_p,
             top_k=hp.top_k,
             max_tokens=hp.max_completion_length,
             max_batch_size=max(hp.num_generations, 64),
-            weight_receiver=self._transfer.receiver(),
-            model_version=self.model_version,
+            weight_receiver=self.weight_sync.receiver(),
             num_threads=hp.generator_threads,
         )
 
@@ -448,38 +477,28 @@ class GRPODataModule(pl.LightningDataModule):
         columns = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion")}
         kwargs = dict(completions=completions, prompts=[row["prompt"] for row in rows], completion_ids=None, **columns)
         futures = [self._val_pool.submit(i, **kwargs) for i in range(len(self.reward_funcs))]
-        return {_reward_name(f): future.result() for f, future in zip(self.reward_funcs, futures, strict=True)}
+        return {get_callable_name(f): future.result() for f, future in zip(self.reward_funcs, futures, strict=True)}
 
     # -- metrics ----------------------------------------------------------------------------------------------------
 
     def rollout_metrics(self) -> dict[str, float]:
         """Rank 0: what the child and the pipeline measured since the last call, reduced for logging."""
-        window = self._rollout_window
-        if self.worker is not None:
-            while True:
-                try:
-                    window.update(self.worker.metrics_queue.get_nowait())
-                except (queue.Empty, OSError, ValueError):
-                    break
-        window.update(self._metrics)
-        self._metrics.clear()
-        if self.pipeline is not None:
-            window.add("perf/rollout_wait_s", self.pipeline.wait_s)
-            self.pipeline.wait_s = 0.0
-        if self.progress is not None:
-            window.add("progress/groups_consumed", float(len(self.progress.consumed)))
-        return window.flush()
+        metrics = self._session.drain_metrics() if self._session is not None else {}
+        if self._progress is not None:
+            metrics["progress/groups_consumed"] = float(len(self._progress.consumed))
+        return metrics
 
     # -- teardown ---------------------------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop the rollout child (and its reward pool) and release the weight transfer; idempotent."""
-        worker, self.worker, self.pipeline = self.worker, None, None
-        if worker is not None:
-            worker.stop()
-        transfer, self._transfer = self._transfer, None
-        if transfer is not None:
-            transfer.destroy()
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
+        sync, self.weight_sync = self.weight_sync, None
+        if sync is not None:
+            self._restored["weight_sync"] = sync.state_dict()  # a later fit on this module goes on from here
+            sync.close()
         pool, self._val_pool = self._val_pool, None
         if pool is not None:
             pool.close()
@@ -491,99 +510,6 @@ class GRPODataModule(pl.LightningDataModule):
     def on_exception(self, exception: BaseException) -> None:
         self.close()
         self._restore_threads()
-
-
-def _validate_options(hp: Any) -> None:
-    problems = []
-    for name in (
-        "num_generations",
-        "max_completion_length",
-        "epochs",
-        "gradient_accumulation_steps",
-        "val_size",
-        "val_batch_size",
-    ):
-        if hp[name] < 1:
-            problems.append(f"{name}={hp[name]} (must be at least 1)")
-    if hp.num_generations < 2:
-        problems.append(f"num_generations={hp.num_generations} (a group needs at least 2 completions to compare)")
-    if hp.max_staleness < 0:
-        problems.append(f"max_staleness={hp.max_staleness} (must be at least 0)")
-    if not (hp.temperature > 0 and math.isfinite(hp.temperature)):
-        problems.append(f"temperature={hp.temperature} (must be positive)")
-    if not 0 < hp.top_p <= 1:
-        problems.append(f"top_p={hp.top_p} (must be in (0, 1])")
-    if hp.reward_num_workers < 0 or hp.reward_timeout <= 0:
-        problems.append(f"reward_num_workers={hp.reward_num_workers}, reward_timeout={hp.reward_timeout}")
-    if not is_trainer_threads(hp.trainer_threads):
-        problems.append(f"trainer_threads={hp.trainer_threads!r} (a positive number of threads, 'auto' or None)")
-    if hp.samples_per_row is not None and hp.samples_per_row < 1:
-        problems.append(f"samples_per_row={hp.samples_per_row} (must be at least 1)")
-    if problems:
-        raise ValueError(f"GRPODataModule got invalid options: {'; '.join(problems)}.")
-
-
-#: The loop arguments GRPODataModule sets from its own options (`_make_worker`); `loop_kwargs` may not set them.
-_LOOP_OPTION_NAMES = frozenset(
-    {
-        "model_name",
-        "dataset",
-        "reward_funcs",
-        "processing_class",
-        "eos_token_ids",
-        "num_generations",
-        "max_inflight_tasks",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "vllm_server_url",
-        "generator",
-        "reward_weights",
-        "multi_objective_aggregation",
-        "scale_rewards",
-        "reward_num_workers",
-        "reward_timeout",
-        "trainer_scored",
-        "epochs",
-        "seed",
-        "consumed",
-        "groups_per_step",
-        "max_staleness",
-    }
-)
-
-
-def _checked_loop_kwargs(loop_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    loop_kwargs = dict(loop_kwargs or {})
-    if clash := sorted(_LOOP_OPTION_NAMES.intersection(loop_kwargs)):
-        raise ValueError(
-            f"`loop_kwargs` sets {clash}, which GRPODataModule sets from its own options: set them there instead "
-            "(e.g. `temperature=...`), and keep `loop_kwargs` for arguments the data module does not have."
-        )
-    return loop_kwargs
-
-
-def _resolve_loop_cls(spec: str | type | None) -> type | None:
-    """The rollout loop class a `loop_cls` option names, checked to be a `GRPORolloutLoop` subclass."""
-    if spec is None:
-        return None
-    from ._imports import import_object
-    from .rollout.loop import GRPORolloutLoop
-
-    loop_cls = import_object(spec, "loop_cls") if isinstance(spec, str) else spec
-    if not (isinstance(loop_cls, type) and issubclass(loop_cls, GRPORolloutLoop)):
-        raise ValueError(
-            f"`loop_cls={spec!r}` is not a subclass of lightning_grpo.GRPORolloutLoop: subclass it (its hooks are "
-            "`_trainer_score_payload` and `_provides_rollout_reward`) or leave `loop_cls` unset."
-        )
-    return loop_cls
-
-
-def _reward_name(func: Callable) -> str:
-    from ._trl import get_callable_name
-
-    return get_callable_name(func)
 
 
 def _eos_ids(tokenizer: Any, policy: Any) -> list[int]:

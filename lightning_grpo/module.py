@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import ParallelStrategy
 
 from ._imports import import_object
+from .contract import RolloutContract, require_rollout_source
 from .loss import LossStats, grpo_loss, packed_logprobs
 from .pipeline.batch import StepBatch
+from .sharding import check_strategy, gradient_sync, is_sharded, shard_policy
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +24,19 @@ class GRPOModule(pl.LightningModule):
     """Trains a causal LM with asynchronous GRPO: one Lightning batch is one optimizer step.
 
     Each batch (a `StepBatch` from `GRPODataModule`) holds this rank's packed micro-batches of one optimizer step.
-    `on_train_batch_start` runs the trainer scorers (`score_step`) on groups whose advantages are pending;
-    `training_step` runs each micro-batch's forward (tree attention over the packed prefix trie) and backward, with
-    gradient sync only on the last one, clips the gradient norm and steps the optimizer once. The loss is TRL's async
-    GRPO loss: a PPO-clipped ratio against the generator's log-probabilities, a token mean over the whole step.
-    `validation_step` samples greedy completions of held-out prompts and scores them with the data module's reward
-    functions (`val/reward`, `val/rewards/<name>`), so `Trainer.validate` and `val_check_interval` work.
+    `setup` reads the data module's `RolloutContract` once (sampling temperature, reward weights, advantage options):
+    the module trains only on a `lightning_grpo.RolloutSource`. `on_train_batch_start` runs the trainer scorers
+    (`score_step`) on groups whose advantages are pending; `training_step` runs each micro-batch's forward (tree
+    attention over the packed prefix trie) and backward, with gradient sync only on the last one, clips the gradient
+    norm and steps the optimizer once. The loss is TRL's async GRPO loss: a PPO-clipped ratio against the generator's
+    log-probabilities, a token mean over the whole step. `validation_step` samples greedy completions of held-out
+    prompts and scores them with the data module's reward functions (`val/reward`, `val/rewards/<name>`), so
+    `Trainer.validate` and `val_check_interval` work.
+
+    Several processes: DDP (`strategy="ddp"`), Lightning's FSDP on GPUs (`strategy="fsdp"`), or FSDP2 through
+    `ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`, under which `configure_model` shards the
+    policy with `fully_shard` (CPU with gloo too). A strategy that would not reduce the policy's gradients across
+    ranks is refused at start-up.
 
     Logged (TRL's names): `loss`, `reward`, `reward_std`, `rewards/<name>`, `ratio`, `kl`, `entropy`,
     `clip_ratio/*`, `sample/staleness_*`, `batch/*`, `perf/step_s`, `perf/fwd_bwd_s`, `lr`.
@@ -51,6 +58,11 @@ class GRPOModule(pl.LightningModule):
             `reward_weights`.
         dtype: the policy's dtype when loaded by name.
         val_max_tokens: tokens per greedy validation completion; default the data module's `max_completion_length`.
+
+    Raises:
+        ValueError: a non-positive `learning_rate`, `epsilon` or `max_grad_norm`, a negative `warmup_steps`,
+            `scorer_weights` of the wrong length; in `setup`, a strategy whose gradients would not be synchronised.
+        TypeError: (in `setup`) a data module that is not a `RolloutSource` (or none).
 
     Example::
 
@@ -94,10 +106,22 @@ class GRPOModule(pl.LightningModule):
                 f"`GRPOModule(scorer_weights={scorer_weights})` needs one weight per scorer ({len(self.scorers)})."
             )
         self.automatic_optimization = False
+        self.contract: RolloutContract | None = None
         self._step_started: float | None = None
         self._generate_attention: str | None = None
 
     # -- model ------------------------------------------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        """Read the data module's `RolloutContract`, and refuse a strategy that would not sync the policy's gradients.
+
+        Raises:
+            TypeError: no data module, or one that is not a `lightning_grpo.RolloutSource`.
+            ValueError: see `lightning_grpo.sharding.check_strategy`.
+        """
+        datamodule = require_rollout_source(self.trainer.datamodule, "GRPOModule")
+        self.contract = datamodule.rollout_contract()
+        check_strategy(self.trainer.strategy, self.trainer.world_size)
 
     def configure_model(self) -> None:
         if self.policy is None:
@@ -109,21 +133,34 @@ class GRPOModule(pl.LightningModule):
         if self._generate_attention is None:
             loaded = self.policy.config._attn_implementation
             self._generate_attention = loaded if loaded and not loaded.startswith("tree") else "sdpa"
+        trainer = _trainer_of(self)
+        if trainer is not None:
+            shard_policy(self.policy, trainer.strategy)
         for scorer in self.scorers:
             if isinstance(scorer, torch.nn.Module):
                 scorer.to(self.device)
 
-    def policy_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's `(name, tensor)` pairs, as the weight transfer sends them."""
-        return ((name, param.detach()) for name, param in self.policy.named_parameters())
-
     def configure_callbacks(self) -> list[pl.Callback]:
-        """The callbacks async GRPO needs, unless the trainer already has one of the same type."""
+        """The callbacks async GRPO needs, in the order they must run, unless the trainer already has them.
+
+        `RolloutStopCallback` plans the next step, so it runs after `WeightSyncCallback` has pushed this step's
+        weights; a `RolloutStopCallback` the trainer already has is moved after a `WeightSyncCallback` added here.
+        """
         from .callbacks import RolloutMetricsCallback, RolloutStopCallback, WeightSyncCallback
 
-        present = {type(c) for c in self.trainer.callbacks} if self._trainer is not None else set()
-        needed = [RolloutStopCallback, WeightSyncCallback, RolloutMetricsCallback]
-        return [cls() for cls in needed if not any(issubclass(p, cls) for p in present)]
+        trainer = _trainer_of(self)
+        present = list(trainer.callbacks) if trainer is not None else []
+
+        def find(cls: type) -> pl.Callback | None:
+            return next((c for c in present if isinstance(c, cls)), None)
+
+        added = [cls() for cls in (WeightSyncCallback, RolloutMetricsCallback) if find(cls) is None]
+        stop = find(RolloutStopCallback)
+        if stop is None:
+            return [*added, RolloutStopCallback()]
+        # Lightning appends the callbacks returned here, replacing the trainer's of the same type: returning the
+        # trainer's own RolloutStopCallback moves it after what is added.
+        return [*added, stop] if added else []
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
@@ -136,49 +173,35 @@ class GRPOModule(pl.LightningModule):
 
     # -- training ---------------------------------------------------------------------------------------------------
 
-    @property
-    def temperature(self) -> float:
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
-        return float(getattr(getattr(datamodule, "hparams", {}), "temperature", 1.0) or 1.0)
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
-        if not isinstance(batch, StepBatch) or batch.stop:
-            # The stop item trains nothing. RolloutStopCallback set `should_stop` (or raised); letting the batch
-            # through, rather than returning -1, keeps the end-of-fit validation that `should_stop` allows.
-            if isinstance(batch, StepBatch):
-                _hide_last_step_metrics(self.trainer)
-            return None
+    def on_train_batch_start(self, batch: StepBatch, batch_idx: int) -> None:
         self._step_started = self._step_started or time.perf_counter()
         if self.scorers:
             self._score(batch)
-        return None
 
     def _score(self, batch: StepBatch) -> None:
         from .scoring.step import score_step
 
+        contract = self.contract
         datamodule = self.trainer.datamodule
-        hp = datamodule.hparams
         scored = score_step(
             self,
             batch,
             scorers=self.scorers,
-            reward_weights=self._column_weights(len(batch.reward_names)),
-            aggregation=hp.multi_objective_aggregation,
-            scale_rewards=hp.scale_rewards,
-            mask_truncated_completions=hp.mask_truncated_completions,
-            progress=datamodule.progress if self.trainer.is_global_zero else None,
-            group=getattr(datamodule, "_group", None),
+            reward_weights=self._column_weights(),
+            aggregation=contract.multi_objective_aggregation,
+            scale_rewards=contract.scale_rewards,
+            mask_truncated_completions=contract.mask_truncated_completions,
+            progress=datamodule.progress,
+            group=datamodule.process_group,
         )
         if scored is not None and scored.metrics:
             self.log_dict(scored.metrics, rank_zero_only=True, on_step=True, on_epoch=False)
 
-    def _column_weights(self, num_rollout_columns: int) -> list[float]:
-        rollout = self.trainer.datamodule.hparams.reward_weights or [1.0] * num_rollout_columns
-        return [*rollout, *(self.hparams.scorer_weights or [1.0] * len(self.scorers))]
+    def _column_weights(self) -> list[float]:
+        scorer_weights = self.hparams.scorer_weights or [1.0] * len(self.scorers)
+        return [*self.contract.reward_weights, *scorer_weights]
 
     def training_step(self, batch: StepBatch, batch_idx: int) -> None:
-        if batch.stop:
-            return
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         started = time.perf_counter()
@@ -187,7 +210,7 @@ class GRPOModule(pl.LightningModule):
         last = len(batch.micro_batches) - 1
         for i, micro_batch in enumerate(batch.micro_batches):
             micro_batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
-            with self._no_grad_sync(i < last):
+            with gradient_sync(self.trainer.strategy, self.policy, self.trainer.model, enabled=i == last):
                 loss, micro_stats = self._micro_batch_loss(micro_batch)
                 self.manual_backward(loss)
             stats = stats + micro_stats
@@ -197,11 +220,10 @@ class GRPOModule(pl.LightningModule):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        self.trainer.datamodule.commit(batch.group_ids)
         self._log_step(batch, stats, total_loss, fwd_bwd_s=time.perf_counter() - started)
 
     def _micro_batch_loss(self, micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, LossStats]:
-        logprobs, entropy = packed_logprobs(self.policy, micro_batch, self.temperature)
+        logprobs, entropy = packed_logprobs(self.policy, micro_batch, self.contract.temperature)
         return grpo_loss(
             logprobs,
             micro_batch["old_log_probs"],
@@ -213,13 +235,6 @@ class GRPOModule(pl.LightningModule):
             segment_id=micro_batch["segment_id"],
             entropy=entropy,
         )
-
-    def _no_grad_sync(self, skip: bool) -> contextlib.AbstractContextManager:
-        """Gradient all-reduce only on a step's last backward (one all-reduce per optimizer step under DDP)."""
-        strategy = self.trainer.strategy
-        if skip and isinstance(strategy, ParallelStrategy):
-            return strategy.block_backward_sync()
-        return contextlib.nullcontext()
 
     def _log_step(self, batch: StepBatch, stats: LossStats, loss: torch.Tensor, fwd_bwd_s: float) -> None:
         strategy = self.trainer.strategy
@@ -245,7 +260,7 @@ class GRPOModule(pl.LightningModule):
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         datamodule = self.trainer.datamodule
-        completions = self._greedy_completions(batch, datamodule.tokenizer)
+        completions = self._greedy_completions(batch)
         rewards = datamodule.score_completions(completions, batch)
         size = len(batch)
         total = torch.tensor([math.fsum(_nan_to_zero(sum(vals) for vals in zip(*rewards.values(), strict=True)))])
@@ -255,10 +270,11 @@ class GRPOModule(pl.LightningModule):
             self.log(f"val/rewards/{name}", value, batch_size=size, sync_dist=True, on_epoch=True)
 
     @torch.no_grad()
-    def _greedy_completions(self, rows: list[dict[str, Any]], tokenizer: Any) -> list[list[dict[str, str]]]:
+    def _greedy_completions(self, rows: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
         from .data import as_messages
 
-        max_tokens = self.hparams.val_max_tokens or self.trainer.datamodule.hparams.max_completion_length
+        tokenizer = self.contract.tokenizer
+        max_tokens = self.hparams.val_max_tokens or self.contract.max_completion_length
         prompts = [
             tokenizer.apply_chat_template(as_messages(row["prompt"]), add_generation_prompt=True, return_dict=False)
             for row in rows
@@ -267,6 +283,9 @@ class GRPOModule(pl.LightningModule):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        # A sharded policy's forward is a collective: every rank runs all `max_tokens` steps (no early stop at EOS,
+        # which would differ between ranks), and each completion is cut at its EOS afterwards.
+        sharded = is_sharded(self.policy, self.trainer.model)
         policy = self.policy
         previous = policy.config._attn_implementation
         policy.set_attn_implementation(self._generate_attention)  # a padded batch, not a packed trie
@@ -277,30 +296,13 @@ class GRPOModule(pl.LightningModule):
                 max_new_tokens=max_tokens,
                 do_sample=False,
                 pad_token_id=pad,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=None if sharded else tokenizer.eos_token_id,
             )
         finally:
             policy.set_attn_implementation(previous)
-        texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        completions = [_cut_at(row.tolist(), tokenizer.eos_token_id) for row in out[:, width:]]
+        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         return [[{"role": "assistant", "content": text}] for text in texts]
-
-
-def _hide_last_step_metrics(trainer: pl.Trainer) -> None:
-    """Keeps the stop batch from adding a copy of the last step's metrics to every logger.
-
-    At each batch end Lightning logs every step-only value it holds, also those no hook logged in this batch, so the
-    stop batch (which trains nothing) would log the last optimizer step's row again under the next step number. This
-    marks those values as already reported, the way Lightning marks them after a reset, without touching them: the
-    progress bar and `callback_metrics` keep them. It reads Lightning's private result collection; should that change,
-    the only effect is the duplicate row again.
-    """
-    results = getattr(trainer, "_results", None)
-    if results is None or not hasattr(results, "valid_items"):
-        return
-    for _, metric in list(results.valid_items()):
-        meta = getattr(metric, "meta", None)
-        if meta is not None and meta.on_step and not meta.on_epoch:
-            metric.has_reset = True
 
 
 def _resolve_scorer(scorer: Any) -> Any:
@@ -323,3 +325,16 @@ def _is_number(value: Any) -> bool:
 
 def _nan_to_zero(values: Any) -> list[float]:
     return [0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in values]
+
+
+def _cut_at(ids: list[int], eos: int | None) -> list[int]:
+    """`ids` up to and including the first `eos`."""
+    return ids[: ids.index(eos) + 1] if eos is not None and eos in ids else ids
+
+
+def _trainer_of(module: pl.LightningModule) -> pl.Trainer | None:
+    """The module's trainer, or None when it is not attached to one (a hook called by hand)."""
+    try:
+        return module.trainer
+    except RuntimeError:
+        return None

@@ -1,9 +1,8 @@
 """Sharing the CPU between the trainer and the embedded generator.
 
 On a CPU-only machine the rollout child generates while the trainer trains. With torch's default (one thread per
-core) in the trainer plus the generator's threads, the two oversubscribe the cores and both slow down: measured on 2
-cores with SmolLM2 (`benchmarks/async_overlap.py`), the trainer on 1 thread beside a 1-thread generator ran the same
-prompts 1.28x faster than on 2 threads, and 1.42x faster than the synchronous schedule.
+core) in the trainer plus the generator's threads, the two oversubscribe the cores and both slow down, so
+`trainer_threads="auto"` gives the trainer the cores the generator leaves (`benchmarks/async_overlap.py` measures it).
 """
 
 from __future__ import annotations

@@ -41,3 +41,46 @@ def test_loop_kwargs_may_not_override_the_data_modules_own_options():
     with pytest.raises(ValueError, match=r"\['seed', 'temperature'\].*set them there"):
         GRPODataModule(model="tiny-random", loop_kwargs={"temperature": 0.1, "seed": 3, "tag": "mine"})
     assert GRPODataModule(model="tiny-random", loop_kwargs={"tag": "mine"}).loop_kwargs == {"tag": "mine"}
+
+
+def test_a_group_that_can_never_fit_a_step_fails_at_set_up_naming_the_knob(no_leaked_processes):
+    """8 completions in rows of 2 samples, 1 micro-batch on 1 process: no step can hold a group. The fit fails in
+    `setup`, before anything is spawned, instead of dropping every group as oversize until the run stalls."""
+    from tiny_fits import cpu_trainer, tiny_datamodule
+
+    from lightning_grpo import GRPOModule
+
+    datamodule = tiny_datamodule(4, num_generations=8, samples_per_row=2)
+    with pytest.raises(
+        ValueError, match=r"A group of 8 samples needs 4 rows of samples_per_row=2.*Raise samples_per_row"
+    ):
+        cpu_trainer().fit(GRPOModule("tiny-random"), datamodule=datamodule)
+    assert datamodule.rollout_worker is None
+
+
+def test_grpo_module_without_a_rollout_data_module_says_what_it_needs():
+    from tiny_fits import cpu_trainer
+    from torch.utils.data import DataLoader
+
+    from lightning_grpo import GRPOModule
+
+    with pytest.raises(TypeError, match=r"trains on a GRPODataModule.*but got no data module.*temperature"):
+        cpu_trainer().fit(GRPOModule("tiny-random"), train_dataloaders=DataLoader([1, 2]))
+
+
+def test_the_contract_is_read_from_the_data_modules_options():
+    datamodule = GRPODataModule(
+        model="tiny-random",
+        temperature=0.7,
+        top_k=5,
+        reward_weights=[2.0],
+        scale_rewards="none",
+        max_completion_length=9,
+    )
+    datamodule.setup("validate")
+    contract = datamodule.rollout_contract()
+    assert (contract.temperature, contract.top_k, contract.max_completion_length) == (0.7, 5, 9)
+    assert contract.reward_names == ("accuracy",) and contract.reward_weights == (2.0,)
+    assert contract.scale_rewards == "none" and contract.tokenizer is datamodule.tokenizer
+    with pytest.raises(RuntimeError, match="once `setup` ran"):
+        GRPODataModule(model="tiny-random").rollout_contract()

@@ -311,14 +311,6 @@ def test_pending_groups_are_listed_and_keep_nan_advantages():
     assert advantages.isnan().sum().item() == 2 * 3 and (advantages[~advantages.isnan()].abs() == 1).all()
 
 
-def test_stop_token_ids_mark_samples_without_a_stop_token_truncated():
-    group = make_group(0, size=2, completion_lens=[2, 2], seed=3)
-    group[0].input_ids[-1] = 99
-    (plan,) = plan_all([group], num_processes=1, steps=1, token_budget=200, stop_token_ids=[99])[1]
-    truncated = {d["uid"]: d["truncated"] for d in real_dicts(plan)}
-    assert truncated == {0: False, 1: True}
-
-
 def test_rows_are_balanced_across_ranks_by_attention_cost():
     # eight single-sample groups of very different lengths, 2 ranks x 2 micro-batches
     groups = [make_group(g, size=1, completion_lens=[n]) for g, n in enumerate([40, 2, 30, 3, 20, 4, 10, 5])]

@@ -2,9 +2,9 @@
 
 The rank-0 pipeline is real (GroupedQueue -> SampleFilterQueue -> StepPlanner -> StopAwareDataset -> DataLoader with
 ProgressCollator); the rollout child is replaced by a `queue.Queue` filled with the groups it would generate
-(`GroupSchedule.group_ids(skip=consumed)`), and the Lightning loop by `train_like_lightning`, which keeps Lightning's
-order: batch k+1 is fetched (so collated) before batch k trains, commits and checkpoints. The 2-rank Lightning run
-is tested with the module.
+(`GroupSchedule.group_ids(skip=consumed)`), and the Lightning loop by `train_like_lightning`, which keeps a fit's
+order: step k trains and commits, then step k+1 is fetched (so collated) by the look-ahead, then step k is
+checkpointed. The 2-rank Lightning run is tested with the module.
 """
 
 from __future__ import annotations
@@ -82,25 +82,25 @@ class Run:
 
 
 def train_like_lightning(loader, progress, *, score=None, kill_after=None, checkpoint_every=1) -> Run:
-    """Step through the stream in Lightning's order: fetch k+1, then score, train, commit and checkpoint k."""
+    """Step through the stream in a fit's order: Lightning fetches step 0; then for each step k: score and train k,
+    commit k and look ahead to k+1 (RolloutStopCallback), then checkpoint k (ModelCheckpoint runs last)."""
     run = Run()
     batches = iter(loader)
     current = next(batches)
     while True:
-        following = next(batches, None)  # the prefetch; after the stop item the stream must end at once
         assert len(current) == loader.collate_fn.num_processes
         if current[0].stop:
-            assert all(b.stop and b.error == current[0].error for b in current) and following is None
+            assert all(b.stop and b.error == current[0].error for b in current)
+            assert next(batches, None) is None, "the stream must end right after its stop item"
             run.stop = current[0]
-            if run.stop.error is None:  # RolloutStopCallback: the last step's exclusions may have completed a stall
-                run.stop.error = progress.stall_error()
             return run
-        assert following is not None, "the stream ended without a stop item"
         if score is not None:
             score(current, progress)  # score_step, in on_train_batch_start
         run.steps.append(list(current[0].group_ids))
-        progress.commit(current[0].group_ids)  # after the optimizer step
-        if len(run.steps) % checkpoint_every == 0:
+        progress.commit(current[0].group_ids)  # after the optimizer step ...
+        following = next(batches, None)  # ... the look-ahead ...
+        assert following is not None, "the stream ended without a stop item"
+        if len(run.steps) % checkpoint_every == 0:  # ... and only then the checkpoint
             run.checkpoint, run.checkpoint_steps = copy.deepcopy(progress.state_dict()), len(run.steps)
         if kill_after is not None and len(run.steps) >= kill_after:
             return run
@@ -228,16 +228,17 @@ def test_held_groups_neither_reset_nor_extend_a_stall():
 
 
 @pytest.mark.timeout(60)
-def test_stall_completed_by_the_last_steps_exclusions_is_reported_when_the_stop_arrives():
+def test_stall_completed_by_the_last_steps_exclusions_ends_the_stream_with_the_stall_error():
+    """Held groups count as consumed, so the run's end is decided at the look-ahead after the last step, once
+    score_step excluded that step's groups: the stop item carries the stall, not a clean end."""
     progress = RolloutProgress(epochs_done=2, stall_groups=2)
     pending = [make_group(g, size=2, advantages=[math.nan, math.nan]) for g in range(2)]
     batches = iter(pipeline(queue_of(pending), progress, num_processes=1))
     step = next(batches)
-    stop = next(batches)  # Lightning's prefetch: the stream already ended (held groups count as consumed) ...
-    assert stop[0].stop and stop[0].error is None and progress.stall_error() is None
-    for group_id in step[0].group_ids:  # ... before score_step excluded the step's groups
+    for group_id in step[0].group_ids:  # score_step masks every sample
         progress.exclude(group_id, "masked")
-    assert "2 prompt groups in a row were consumed without one training (masked: 2)" in progress.stall_error()
+    stop = next(batches)
+    assert stop[0].stop and "2 prompt groups in a row were consumed without one training (masked: 2)" in stop[0].error
 
 
 @pytest.mark.timeout(60)
@@ -356,7 +357,7 @@ def test_progress_rejects_bad_arguments_and_ids_outside_the_run():
 
 
 @pytest.mark.timeout(60)
-def test_checkpoint_leaves_out_the_prefetched_step_and_resume_regenerates_it():
+def test_checkpoint_leaves_out_the_looked_ahead_step_and_resume_regenerates_it():
     schedule = GroupSchedule(num_prompts=4)
     progress = RolloutProgress(epochs_done=len(schedule), stall_groups=4)
     # a token budget of 12 holds one 2-sample group: one group per step
@@ -365,7 +366,7 @@ def test_checkpoint_leaves_out_the_prefetched_step_and_resume_regenerates_it():
     )
     first = train_like_lightning(loader, progress, kill_after=1)
     assert first.steps == [[0]]
-    assert 1 in progress.consumed  # step 1 was collated (trained) by the prefetch ...
+    assert 1 in progress.consumed  # step 1 was collated (trained) by the look-ahead ...
     assert first.checkpoint["frontier"] == 1 and first.checkpoint["consumed_above"] == []  # ... but not committed
 
     resumed = RolloutProgress(epochs_done=len(schedule), stall_groups=4)

@@ -238,3 +238,41 @@ def test_hung_child_fails_check_health_once_its_heartbeat_is_stale(
     finally:
         os.kill(worker.pid, signal.SIGCONT)
         worker.stop()
+
+
+@pytest.mark.timeout(180)
+def test_the_low_level_worker_runs_generator_embedded_or_fails_at_construction(tokenizer, no_leaked_processes):
+    """`generator="embedded"` (the name the docs use) loads the named policy in the child and samples with the loop's
+    options; anything that is not a generator fails in `__init__`, before anything is spawned."""
+    from lightning_grpo.models import tiny_llama
+
+    worker = GRPORolloutWorker(
+        model_name="tiny-random",
+        dataset=prompts(2),
+        reward_funcs=[length_reward()],
+        processing_class=tokenizer,
+        eos_token_ids=[tokenizer.eos_token_id],
+        num_generations=G,
+        max_tokens=MAX_TOKENS,
+        temperature=0.7,
+        generator="embedded",
+        reward_num_workers=0,
+        child_ready_timeout=120,
+    )
+    worker.start()
+    try:
+        (group,) = collect_groups(worker, 1).values()
+    finally:
+        worker.stop()
+    model = tiny_llama(seed=0)  # what "tiny-random" loads in the child
+    for sample in group:
+        start = int(sample.completion_mask.argmax())
+        ids = sample.input_ids.tolist()
+        expected = teacher_forced_logprobs(model, ids[:start], ids[start:], temperature=0.7)
+        assert (expected - torch.from_numpy(sample.old_log_probs[start:])).abs().max() <= 1e-4
+    with pytest.raises(TypeError, match=r"generator='sglang'.*GeneratorSpec.*'embedded'"):
+        GRPORolloutWorker(model_name="tiny-random", generator="sglang")
+    with pytest.raises(TypeError, match=r"generator='embedded'.*model_name="):
+        GRPORolloutWorker(generator="embedded")
+    with pytest.raises(ValueError, match="temperature=-1"):
+        GRPORolloutWorker(model_name="tiny-random", generator="embedded", temperature=-1)

@@ -306,7 +306,7 @@ def test_make_weight_transfer_uses_http_for_vllm_without_a_gpu():
 
 def test_http_transfer_without_a_server_fails_with_the_url_and_the_fix():
     transfer = VLLMHTTPWeightTransfer("http://127.0.0.1:9", server_timeout=1.0)
-    with pytest.raises(RuntimeError, match=r"127\.0\.0\.1:9.*python -m lightning_grpo\.vllm_server"):
+    with pytest.raises(RuntimeError, match=r"127\.0\.0\.1:9.*python -m lightning_grpo\.serving\.vllm_server"):
         transfer.pause()
     transfer.destroy()
 

@@ -1,7 +1,9 @@
-"""What one Lightning batch is: one optimizer step's micro-batches for one rank, or the stop item.
+"""What one Lightning batch is: one optimizer step's micro-batches for one rank (or the stream's stop item).
 
 Rank 0 plans each optimizer step (`StepPlanner`), packs it (`ProgressCollator` / `ScoringCollator`) into one
 `StepBatch` per rank and scatters them; every rank trains on its own. The micro-batch dicts hold plain CPU tensors.
+The stop item crosses the scatter too, so every rank learns at the same batch that the stream ended, but
+`StepStream` keeps it: training never sees it (see `RolloutStopCallback`).
 
 Keys of a micro-batch (one rank's packed row; `N` forwarded tokens, `S` segments, `K` gathered K/V rows, `M` loss
 terms, `R` samples in the row, `C` rollout reward columns):
@@ -34,16 +36,17 @@ MicroBatch = dict[str, torch.Tensor]
 
 @dataclass
 class StepBatch:
-    """One rank's share of one optimizer step, or the stop item that ends training on every rank at once.
+    """One rank's share of one optimizer step, or the stop item that ends the stream on every rank at once.
 
     Attributes:
         micro_batches: `steps` packed micro-batches for this rank (empty for the stop item).
         group_ids: the prompt groups this step trains (same on every rank).
         reward_names: names of the rollout reward columns, in `rollout_rewards` column order.
-        stop: True for the stop item: every rank receives it at the same batch and ends training.
+        stop: True for the stop item: every rank receives it at the same fetch, and `RolloutStopCallback` ends the
+            fit there.
         error: set on the stop item when the run stalled or rank 0's pipeline failed; every rank raises it.
         metrics: rank 0's planning, packing and sample metrics for this step (empty on other ranks).
-        samples: the step's samples in `sample_uid` order, on rank 0 only (for logging and `on_rollouts_scored`).
+        samples: the step's samples in `sample_uid` order, on rank 0 only (for logging and callbacks).
     """
 
     micro_batches: list[MicroBatch] = field(default_factory=list)

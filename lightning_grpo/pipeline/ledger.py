@@ -54,9 +54,9 @@ class RolloutProgress:
     - `hold(ids)`: collated with advantages pending (trainer scoring). Counted consumed for the end-of-run check, but
       neither resets nor extends a stall; `score_step` later reports it with `train` or `exclude`.
     - `train(ids)`: collated into a step that trains it. Resets the stall run. Not yet in `state_dict()`.
-    - `commit(ids)`: the optimizer step that trained it is done. Lightning collates batch k+1 before batch k trains
-      and before a checkpoint at step k is saved, so only committed groups are checkpointed as trained; collated but
-      uncommitted ones are regenerated on resume.
+    - `commit(ids)`: the optimizer step that trained it is done. Step k+1 is collated before the checkpoint at step
+      k is saved (the stream looks ahead to learn whether the run ends), so only committed groups are checkpointed
+      as trained; collated but uncommitted ones are regenerated on resume.
     - `drop(id, reason)` / `exclude(id, reason)`: consumed without training (final at once, checkpointed). Each
       extends the stall run and counts under its reason.
 
@@ -184,9 +184,8 @@ class RolloutProgress:
     def stall_error(self) -> str | None:
         """The stall error when `stall_groups` groups in a row were consumed without one training, else None.
 
-        Call it on rank 0 when a clean stop item arrives, and raise the error on every rank if there is one: the
-        stream ends as soon as the last step is collated (held groups count as consumed), before `score_step` can
-        exclude that step's groups, so a stall those exclusions complete is only visible here.
+        `check` raises it. The stream asks for the next step only once the previous one was scored and trained, so a
+        stall completed by `score_step`'s exclusions of the last step ends the stream with this error too.
         """
         return self._stall_message() if self._stall_run >= self.stall_groups else None
 

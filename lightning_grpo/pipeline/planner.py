@@ -1,6 +1,6 @@
 """Rank 0's step planning: whole rollout groups off the queue, packed into one optimizer step's rows.
 
-`GroupedQueue` releases a group once all of its rows arrived; `SampleFilterQueue` (progress.py) drops the groups that
+`GroupedQueue` releases a group once all of its rows arrived; `SampleFilterQueue` (filtering.py) drops the groups that
 would train nothing; `StepPlanner` places the rest into `steps` micro-batches of `num_processes` rows, never splitting
 a group across two optimizer steps and never leaving a row empty; `ProgressCollator` packs the plan for every rank.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -56,11 +56,6 @@ class ScoredRow(TreeRow):
     @property
     def uids(self) -> list[int]:
         return [sample["uid"] for sample in self.samples]
-
-    @property
-    def real_samples(self) -> int:
-        """Samples that are not filler copies."""
-        return sum(sample["uid"] != -1 for sample in self.samples)
 
     def fits(self, sample: dict[str, Any], budget: int) -> bool:
         if self.share_prefixes:
@@ -236,8 +231,6 @@ class StepPlanner:
         metrics: sink (`dict[str, list]`) for events outside a step: `progress/dropped_oversize_total` for groups too
             big for a step. A step's packing metrics travel in `StepPlan.metrics`.
         share_prefixes: tree-pack samples that share a prefix; False packs them end to end.
-        stop_token_ids: when given, a sample whose last token is not one of them is also marked `truncated` (for
-            generators that do not report truncation); score_step reads it as `sample_truncated`.
         progress: the run's `RolloutProgress`, for the end-of-run emission and oversize drops.
         poll_interval_s: longest wait on `dataset.get`, between checks of whether the open step must go out.
         max_groups_per_step: emit a step once it holds this many groups (None: no cap). Set it to the rollout loop's
@@ -257,7 +250,6 @@ class StepPlanner:
         scorers: Sequence[GroupExtrasSource] = (),
         metrics: dict[str, list] | None = None,
         share_prefixes: bool = True,
-        stop_token_ids: Iterable[int] | None = None,
         progress: RolloutProgress | None = None,
         poll_interval_s: float = 0.1,
         max_groups_per_step: int | None = None,
@@ -284,7 +276,6 @@ class StepPlanner:
         self.scorers = list(scorers)
         self.metrics = metrics if metrics is not None else {}
         self.share_prefixes = share_prefixes
-        self.stop_token_ids = None if stop_token_ids is None else frozenset(stop_token_ids)
         self.progress = progress
         self.poll_interval_s = poll_interval_s
         self.max_groups_per_step = max_groups_per_step
@@ -378,9 +369,6 @@ class StepPlanner:
         return _AcceptedGroup(samples=samples, dicts=dicts, extras=extras, pending=pending)
 
     def _sample_dict(self, sample: RolloutSample) -> dict[str, Any]:
-        truncated = sample.truncated
-        if self.stop_token_ids is not None and sample.num_tokens:
-            truncated = truncated or int(sample.input_ids[-1]) not in self.stop_token_ids
         return {
             "input_ids": sample.input_ids,
             "completion_mask": sample.completion_mask,
@@ -388,7 +376,7 @@ class StepPlanner:
             "advantage": sample.advantage,
             "group_id": sample.group_id,
             "uid": -1,  # set when the step is emitted
-            "truncated": truncated,
+            "truncated": sample.truncated,
             "sample": sample,
         }
 

@@ -18,10 +18,10 @@ class StopAwareDataset(torch.utils.data.IterableDataset):
     """A rollout batcher whose stream ends with the `RolloutStop` it raised.
 
     Iterates `batcher` (the `StepPlanner`) and yields its step plans; when it raises `RolloutStop`, yields that stop as
-    the last item and ends at once (reading on would block Lightning's one-ahead prefetch). Any other exception (the
+    the last item and ends at once (reading on would wait for rollouts that never come). Any other exception (the
     rollout child died, a scorer failed) is logged and becomes `RolloutStop(error=<type, message and traceback>)`, so
     every rank learns it instead of hanging in a collective; a batcher that simply runs out ends with `RolloutStop()`.
-    Iterating again after the stop yields the same stop item once more (Lightning re-iterates at a new epoch).
+    Iterating again after the stop yields the same stop item once more.
 
     Use it with `DataLoader(dataset, batch_size=None, num_workers=0, collate_fn=ProgressCollator(...))` on rank 0.
     """

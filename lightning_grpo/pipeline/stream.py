@@ -1,8 +1,8 @@
 """The training stream: rank 0's rollout pipeline, and the per-rank dataset that scatters each step to the ranks.
 
 Rank 0 runs GroupedQueue → SampleFilterQueue → StepPlanner → StopAwareDataset → collator, which turns each planned
-optimizer step into one `StepBatch` per rank; `StepStream` sends every rank its own (a gloo `scatter_object_list`,
-entered the same number of times by every rank) and ends on every rank right after the stop item.
+optimizer step into one `StepBatch` per rank; `StepStream` sends every rank its own and ends on every rank at the
+stop item, which it keeps for `RolloutStopCallback` instead of handing it to training.
 """
 
 from __future__ import annotations
@@ -99,20 +99,25 @@ class RolloutPipeline:
 
 
 class StepStream(torch.utils.data.IterableDataset):
-    """Every rank's stream of `StepBatch`es: one per optimizer step, then the stop item, then the end.
+    """Every rank's stream of `StepBatch`es, one per optimizer step, ended on every rank at the same batch.
 
     On rank 0 it pulls the next step from `source` (a `RolloutPipeline`) and scatters rank r's batch to rank r over
-    `group`; the other ranks receive. Every rank therefore fetches the same number of times, and the stop reaches
-    all of them at the same batch. It ends right after the stop item (reading on would block Lightning's one-ahead
-    prefetch), and calls `on_stop` on every rank, which sets `trainer.should_stop` so a new epoch does not iterate
-    again.
+    `group` (a gloo `scatter_object_list`); the other ranks receive. Every rank therefore fetches the same number of
+    times, and the stop item that ends the rollout stream reaches all of them at the same batch. The stop item never
+    leaves the stream: it is kept as `stop`, and the iterator ends.
+
+    `look_ahead()` fetches the next step as soon as the previous one trained (`RolloutStopCallback` calls it after
+    the weight push), and holds it for the next `__next__`. So the run's end is known at the end of its last step,
+    where `trainer.should_stop` lets Lightning run its end-of-fit validation, instead of at a fetch that no hook sees.
 
     Args:
         source: rank 0's pipeline (None on other ranks).
         rank, world_size: this process's place.
         group: the gloo process group to scatter on (None with one process).
-        on_stop: called on every rank when the stop item passes.
-        max_batches: `__len__`: an upper bound on the batches (the run's groups + 1).
+        max_batches: `__len__`: an upper bound on the batches (the run's groups).
+
+    Raises:
+        ValueError: rank 0 without a `source`.
     """
 
     def __init__(
@@ -122,7 +127,6 @@ class StepStream(torch.utils.data.IterableDataset):
         rank: int,
         world_size: int,
         group: Any = None,
-        on_stop: Callable[[], None] | None = None,
         max_batches: int = 1,
     ) -> None:
         super().__init__()
@@ -132,37 +136,52 @@ class StepStream(torch.utils.data.IterableDataset):
         self.rank = rank
         self.world_size = world_size
         self.group = group
-        self.on_stop = on_stop
         self.max_batches = max_batches
-        self._done = False
+        self.stop: StepBatch | None = None
+        self._held: StepBatch | None = None
+        self._steps: Iterator[list[StepBatch]] | None = None
 
     def __len__(self) -> int:
-        """An upper bound on the batches (every step trains at least one group, then the stop item).
+        """An upper bound on the batches (every step trains at least one group).
 
-        A known length makes Lightning fetch each batch only after the previous one trained (no one-ahead prefetch),
-        so a step is planned against the policy version it trains with, and pacing (see `RolloutPipeline`) keeps
-        every group within `max_staleness` of it.
+        A known length makes Lightning fetch each batch only when it is about to train it (no one-ahead prefetch),
+        so a step is planned against the weights it trains after, and pacing (see `RolloutPipeline`) keeps every
+        group within `max_staleness` of them.
         """
         return self.max_batches
 
-    def __iter__(self) -> Iterator[StepBatch]:
-        if self._done:
-            return
-        steps = iter(self.source) if self.rank == 0 else None
-        while True:
-            batch = self._next(steps)
-            yield batch
+    def look_ahead(self) -> StepBatch | None:
+        """Every rank: fetch the next step now and hold it for the next `__next__`; returns the stop item if the
+        stream ended there (None while it goes on)."""
+        if self.stop is None and self._held is None:
+            batch = self._fetch()
             if batch.stop:
-                self._done = True
-                if self.on_stop is not None:
-                    self.on_stop()
-                return
+                self.stop = batch
+            else:
+                self._held = batch
+        return self.stop
 
-    def _next(self, steps: Iterator[list[StepBatch]] | None) -> StepBatch:
+    def __iter__(self) -> Iterator[StepBatch]:
+        if self.stop is not None and self._held is None:
+            raise RuntimeError(
+                "The rollout stream already ended with its stop item, but training asked for more batches: keep "
+                "`RolloutStopCallback` (GRPOModule adds it), which stops the fit there, and leave `min_epochs` and "
+                "`min_steps` unset (the data module ends the run)."
+            )
+        while True:
+            self.look_ahead()
+            if self._held is None:
+                return
+            batch, self._held = self._held, None
+            yield batch
+
+    def _fetch(self) -> StepBatch:
         batches = None
-        if steps is not None:
+        if self.rank == 0:
+            if self._steps is None:
+                self._steps = iter(self.source)
             try:
-                batches = next(steps)
+                batches = next(self._steps)
             except StopIteration:
                 batches = [StepBatch.stop_item("The rollout pipeline ended without a stop item.")] * self.world_size
         if self.world_size == 1:

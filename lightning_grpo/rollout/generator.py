@@ -18,7 +18,7 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -93,62 +93,6 @@ class GenerationOutput:
     model_version: int  # version of the weights that sampled every token
 
 
-@dataclass(frozen=True, slots=True)
-class GeneratorSpec:
-    """How to build an `EmbeddedGenerator` in the rollout child; pickles cheaply (no weights, no threads).
-
-    The fields are `EmbeddedGenerator`'s arguments; `build()` is called in the child.
-    """
-
-    policy: PolicySpec
-    eos_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 256
-    max_batch_size: int = 64
-    weight_receiver: SharedMemoryWeightReceiver | None = None
-    model_version: int = 0
-    seed: int | None = None
-    num_threads: int | None = None
-
-    def __post_init__(self) -> None:
-        _check_options(self.temperature, self.top_p, self.top_k, self.max_tokens, self.max_batch_size, self.num_threads)
-
-    def build(self) -> EmbeddedGenerator:
-        """Load the policy and start the generator's worker thread."""
-        return EmbeddedGenerator(
-            self.policy,
-            eos_token_ids=self.eos_token_ids,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_tokens=self.max_tokens,
-            max_batch_size=self.max_batch_size,
-            weight_receiver=self.weight_receiver,
-            model_version=self.model_version,
-            seed=self.seed,
-            num_threads=self.num_threads,
-        )
-
-
-class TurnGenerator(Protocol):
-    """What the rollout loop needs from a generator backend (one assistant turn per call)."""
-
-    @property
-    def applied_version(self) -> int:
-        """Version of the weights the next batch samples with."""
-        ...
-
-    async def generate(self, prompt_ids: list[int], max_tokens: int | None = None) -> GenerationOutput:
-        """Sample one completion of `prompt_ids`."""
-        ...
-
-    def close(self) -> None:
-        """Stop serving; pending calls raise."""
-        ...
-
-
 @dataclass(slots=True)
 class _Request:
     prompt_ids: list[int]
@@ -210,7 +154,14 @@ class EmbeddedGenerator:
         seed: int | None = None,
         num_threads: int | None = None,
     ) -> None:
-        _check_options(temperature, top_p, top_k, max_tokens, max_batch_size, num_threads)
+        _check_options(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_tokens=max_tokens,
+            max_batch_size=max_batch_size,
+            num_threads=num_threads,
+        )
         if isinstance(model, str):
             model = PolicySpec(name=model)
         has_weights = model.has_weights if isinstance(model, PolicySpec) else True
@@ -450,8 +401,49 @@ class EmbeddedGenerator:
         return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
 
 
+class GeneratorSpec:
+    """How to build an `EmbeddedGenerator` in the rollout child: its arguments, without the model's weights.
+
+    Takes exactly `EmbeddedGenerator`'s arguments (the policy as a `PolicySpec` or a `load_policy` name, then its
+    keyword options) and checks them here, against its signature and ranges, so a bad value fails in the trainer
+    before the child is spawned. It pickles in microseconds; `build()` runs in the child.
+
+    Raises:
+        TypeError: an argument `EmbeddedGenerator` does not take.
+        ValueError: an option out of range (all problems in one message).
+
+    Example::
+
+        spec = GeneratorSpec(PolicySpec.from_model(policy), temperature=0.7, weight_receiver=transfer.receiver())
+        generator = spec.build()  # in the rollout child
+    """
+
+    __slots__ = ("options", "policy")
+
+    def __init__(self, policy: PolicySpec | str, **options: Any) -> None:
+        try:
+            bound = inspect.signature(EmbeddedGenerator).bind(policy, **options)
+        except TypeError as error:
+            raise TypeError(f"`GeneratorSpec(...)`: {error}; it takes EmbeddedGenerator's arguments.") from None
+        bound.apply_defaults()
+        _check_options(**{name: bound.arguments[name] for name in _CHECKED})
+        self.policy = PolicySpec(name=policy) if isinstance(policy, str) else policy
+        self.options = options
+
+    def build(self) -> EmbeddedGenerator:
+        """Load the policy and start the generator's worker thread."""
+        return EmbeddedGenerator(self.policy, **self.options)
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{key}={value!r}" for key, value in self.options.items())
+        return f"GeneratorSpec({self.policy!r}, {options})"
+
+
+_CHECKED = ("temperature", "top_p", "top_k", "max_tokens", "max_batch_size", "num_threads")
+
+
 def _check_options(
-    temperature: float, top_p: float, top_k: int, max_tokens: int, max_batch_size: int, num_threads: int | None
+    *, temperature: float, top_p: float, top_k: int, max_tokens: int, max_batch_size: int, num_threads: int | None
 ) -> None:
     problems = []
     if not temperature >= 0:

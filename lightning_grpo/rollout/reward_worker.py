@@ -19,6 +19,7 @@ from .lifetime import die_with_parent
 
 _NAN = float("nan")
 
+
 def worker_main(argv: list[str]) -> None:
     """Entry point of a worker: load the reward functions, then run calls until the parent goes away."""
     fd, parent_pid = int(argv[0]), int(argv[1])

@@ -43,7 +43,13 @@ class GRPORolloutWorker:
         mp_context: multiprocessing context; it must be "spawn" (the default) on anything that imported torch.
         **loop_kwargs: forwarded to `loop_cls` in the child. Values that are multiprocessing primitives (queues,
             values, locks, or objects holding them, like a weight receiver) travel as process arguments; everything
-            else travels with cloudpickle.
+            else travels with cloudpickle. `generator` may be a `GeneratorSpec`, `"embedded"` (the policy
+            `model_name` names, loaded in the child, sampling with the loop's `temperature`, `top_p`, `top_k`,
+            `max_tokens` and `eos_token_ids`; it never receives new weights), or None / `"vllm"` (TRL's HTTP path
+            to `vllm_server_url`).
+
+    Raises:
+        TypeError: a `generator` that is none of those.
     """
 
     def __init__(
@@ -63,6 +69,7 @@ class GRPORolloutWorker:
         self._ctx = ctx
         self._loop_cls = loop_cls
         self._loop_kwargs = dict(loop_kwargs, queue_maxsize=queue_maxsize)
+        self._loop_kwargs["generator"] = _generator_spec(self._loop_kwargs)
         self._child_ready_timeout = child_ready_timeout
         self.rollout_buffer = ctx.Queue(maxsize=queue_maxsize)
         self.metrics_queue = ctx.Queue(maxsize=4096)
@@ -203,6 +210,35 @@ class GRPORolloutWorker:
         _kill_all(descendants + _descendants(process.pid))
         # Keep the handle so check_health still reports a stopped child, not "call start() first".
         self._process = _Stopped(process.pid, process.exitcode)
+
+
+def _generator_spec(loop_kwargs: dict[str, Any]) -> Any:
+    """The loop's `generator` argument as a `GeneratorSpec`, or None for TRL's vLLM HTTP path."""
+    from .generator import GeneratorSpec
+
+    generator = loop_kwargs.get("generator")
+    if generator is None or generator == "vllm" or isinstance(generator, GeneratorSpec):
+        return None if generator == "vllm" else generator
+    if generator == "embedded":
+        options = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 256} | {
+            key: loop_kwargs[key] for key in ("temperature", "top_p", "top_k", "max_tokens") if key in loop_kwargs
+        }
+        eos = loop_kwargs.get("eos_token_ids")
+        if not loop_kwargs.get("model_name"):
+            raise TypeError(
+                "`GRPORolloutWorker(generator='embedded')` loads the policy `model_name` names in the child: pass "
+                "`model_name=` ('tiny-random', 'smollm2-135m-instruct', a local folder or a Hub id)."
+            )
+        return GeneratorSpec(
+            loop_kwargs["model_name"],
+            eos_token_ids=tuple(eos) if eos else None,
+            max_batch_size=max(64, int(loop_kwargs.get("num_generations", 8))),
+            **options,
+        )
+    raise TypeError(
+        f"`GRPORolloutWorker(generator={generator!r})` is not a generator: pass a `GeneratorSpec`, 'embedded' (the "
+        "policy `model_name` names, on CPU in the child) or None / 'vllm' (a vLLM server at `vllm_server_url`)."
+    )
 
 
 class _Stopped:

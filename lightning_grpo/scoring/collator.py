@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..pipeline.batch import MicroBatch, StepBatch
+from ..pipeline.batch import MicroBatch
 from ..pipeline.collating import ProgressCollator
 from .scorer import TrainerScorer
 
@@ -23,8 +23,6 @@ class ScoringCollator(ProgressCollator):
 
     Args:
         progress: the run's `RolloutProgress`.
-        recorder: called on rank 0 with each `StepPlan` before it is packed (e.g. to keep the prompts and
-            completions an `on_rollouts_scored` hook reads); None records nothing.
         scorers: the trainer scorers, in `s{index}_` order (the planner's `scorers`).
         **kwargs: `ProgressCollator`'s `num_processes`, `pad_token_id` and `reward_names`.
     """
@@ -32,18 +30,11 @@ class ScoringCollator(ProgressCollator):
     def __init__(
         self,
         progress: RolloutProgress | None = None,
-        recorder: Any = None,
         scorers: Sequence[TrainerScorer] = (),
         **kwargs: Any,
     ) -> None:
         super().__init__(progress, **kwargs)
-        self.recorder = recorder
         self.scorers = list(scorers)
-
-    def __call__(self, item: Any) -> list[StepBatch]:
-        if self.recorder is not None and not isinstance(item, Exception):
-            self.recorder(item)
-        return super().__call__(item)
 
     def collate_micro_batch(self, rows: list[ScoredRow]) -> list[MicroBatch]:
         batches = super().collate_micro_batch(rows)

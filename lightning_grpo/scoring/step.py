@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ScoredStep:
-    """What `score_step` computed for the step's pending groups, for the `on_rollouts_scored` hook and logging.
+    """What `score_step` computed for the step's pending groups, for logging and for callers that look at the scores.
 
     Attributes:
         reward_names: the columns: the rollout's (`StepBatch.reward_names`), then one per scorer.

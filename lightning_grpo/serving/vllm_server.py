@@ -48,7 +48,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 #: Where `scripts/setup_vllm.sh` puts vLLM's environment, unless `LIGHTNING_GRPO_VLLM_VENV` says otherwise.
-DEFAULT_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm"
+DEFAULT_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
 #: Module name under which the worker extension is copied next to the server (must not clash with vLLM's modules).
 _EXT_MODULE = "lightning_grpo_vllm_ext"
 EXTENSION_CLS = f"{_EXT_MODULE}.TiedHeadReloadExtension"
@@ -92,7 +92,7 @@ class VLLMServer:
             local folder or Hub name.
         served_model_name: the name requests must send as `"model"`; default the `model` string.
         host, port: where to listen; `port=None` picks a free port.
-        dtype: `"float32"` (logprobs match a float32 trainer to ~1e-6) or `"bfloat16"` (about 2x faster, logprobs off
+        dtype: `"float32"` (logprobs match a float32 trainer to ~1e-6) or `"bfloat16"` (faster, logprobs off
             by up to ~0.3 on SmolLM2).
         max_model_len: longest prompt + completion in tokens; keep it at most 2048 (the prefill budget, since chunked
             prefill is off).

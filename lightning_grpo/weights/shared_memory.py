@@ -1,4 +1,4 @@
-"""Weight sync from the trainer to the generator: shared memory for the embedded generator; `make_weight_transfer`.
+"""Weight sync to the embedded generator through shared memory: the trainer's side and the generator's side.
 
 `SharedMemoryWeightTransfer` is the trainer side and implements TRL's `WeightTransferProtocol`
 (`init_weight_transfer`, `pause`, `send_weights`, `resume`, `destroy`). It allocates one shared-memory block once,
@@ -10,7 +10,7 @@ A sync is `pause()` (take the lock, waiting for a copy in progress to finish), `
 version)` (memcpy into the block), `resume()` (publish: bump the sequence number, set the version, release the
 lock). Before each batch the generator sees the new sequence number, copies the block into its model under the lock
 and from then on tags its samples with the new version; a batch never mixes weights. Both copies are one-thread
-memcpys (about 0.05-0.1 s each for SmolLM2-135M in fp32, 538 MB), or casting copies where dtypes differ.
+memcpys, or casting copies where dtypes differ.
 
 The lock is an `flock` on the block's file (`/dev/shm/<name>` on Linux; elsewhere a small file in the temp folder),
 not a multiprocessing lock, for two reasons: the receiver then pickles anywhere (cloudpickle, `pickle.dumps`
@@ -133,7 +133,7 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """`dst[...] = src`: a one-thread memcpy when the layouts match, else a (casting, cross-device) `copy_`.
 
     torch's multi-threaded copy is no faster (memory-bound) and stalls when the cores are busy, which they are while
-    a trainer and a generator share them: 538 MB took 3 s instead of 0.09 s on a loaded 2-core machine.
+    a trainer and a generator share them.
     """
     plain = (torch.Tensor, torch.nn.Parameter)  # not a DTensor: its data_ptr is the local shard's
     if (

@@ -77,10 +77,10 @@ class WeightSync:
     ) -> None:
         self.transfer: WeightTransfer | None = None
         self._make_transfer: Callable[[torch.nn.Module], WeightTransfer] | None = None
-        if isinstance(transfer, WeightTransfer):
+        if isinstance(transfer, type) or (callable(transfer) and not isinstance(transfer, WeightTransfer)):
+            self._make_transfer = transfer  # a class (or function) that builds the transfer from the policy
+        elif isinstance(transfer, WeightTransfer):
             self.transfer = transfer
-        elif callable(transfer):
-            self._make_transfer = transfer
         elif transfer is not None:
             missing = [name for name in _PROTOCOL_METHODS if not callable(getattr(transfer, name, None))]
             raise TypeError(

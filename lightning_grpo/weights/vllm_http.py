@@ -12,8 +12,7 @@ through its development endpoints:
     remove the previous folder
 
 The server must be on this machine (or see `shm_dir` at the same path), run with `VLLM_SERVER_DEV_MODE=1`, and load
-the worker extension; `VLLMServer` (`vllm_server.py`) starts it that way. Pushing SmolLM2-135M (fp32, 538 MB) takes
-about 2 s on a CPU; the tiny test model about 0.05 s.
+the worker extension; `VLLMServer` (`serving/vllm_server.py`) starts it that way.
 """
 
 from __future__ import annotations

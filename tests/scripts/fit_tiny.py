@@ -7,9 +7,16 @@ ended with, if any. Scenarios:
 - `stall`: a constant reward; every group is dropped for no signal and the run must fail with the stall error.
 - `kill_child`: rank 0 SIGKILLs the rollout child after the first step; every rank must fail with its error.
 - `kill_self`: rank 0 SIGKILLs its own process at the start of step `--kill-at + 1` (checkpoints every step).
-- `resume`: resume from `--ckpt`.
+- `checkpoint`: as `normal`, with a checkpoint every step.
+- `resume`: resume from `--ckpt` (checkpoints every step).
 - `ctrl_c`: at the start of step `--kill-at + 1`, SIGINT to the whole process group, as Ctrl-C in a terminal sends it
   (the rollout child and its reward workers get it too).
+
+`--strategy fsdp2` trains under `ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)` (FSDP2 on
+CPU with gloo), `fsdp2_tp` under its default mesh (tensor-parallel over every device, which must be refused). With
+`--record`, each rank also saves `<out>/steps_rank<r>.pt` (its micro-batches of every step), `<out>/final_rank<r>.pt`
+(the full, gathered weights after the fit) and, on rank 0, the largest difference between the generator's
+logprobs of each step's samples and a teacher-forced forward of the trained full weights at that step.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+import torch
+
 
 def char_sum_reward(completions, **kwargs):
     return [sum(map(ord, c[0]["content"])) % 97 / 97 for c in completions]
@@ -30,6 +39,32 @@ def char_sum_reward(completions, **kwargs):
 
 def constant_reward(completions, **kwargs):
     return [1.0 for _ in completions]
+
+
+def full_weights(policy) -> dict:
+    """The policy's full parameters (gathered on every rank: call it on all of them)."""
+    from lightning_grpo.weights.parameters import generator_parameters
+
+    return {name: tensor.clone() for name, tensor in generator_parameters(policy)}
+
+
+def logprob_error(trainer, pl_module, batch) -> float | None:
+    """Rank 0: the largest |generator logprob - teacher-forced logprob| over the step's samples, under the trained
+    full weights now (every rank joins the gather); None on other ranks."""
+    from lightning_grpo.models import tiny_llama
+    from lightning_grpo.rollout.sampling import teacher_forced_logprobs
+
+    weights = full_weights(pl_module.policy)
+    if not trainer.is_global_zero:
+        return None
+    model = tiny_llama()
+    model.load_state_dict(weights, strict=False)
+    errors = []
+    for sample in batch.samples:
+        start = int(sample.completion_mask.argmax())
+        expected = teacher_forced_logprobs(model, sample.input_ids[:start].tolist(), sample.input_ids[start:].tolist())
+        errors.append(float((expected - torch.from_numpy(sample.old_log_probs[start:])).abs().max()))
+    return max(errors)
 
 
 def _dropped(trainer) -> dict:
@@ -45,19 +80,22 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--kill-at", type=int, default=2)
     parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp2", "fsdp2_tp"])
+    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
 
     import lightning.pytorch as pl
-    import torch
     from datasets import Dataset
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from lightning_grpo.datamodule import GRPODataModule
     from lightning_grpo.module import GRPOModule
-    from lightning_grpo.pipeline.batch import StepBatch
 
+    timeout = timedelta(seconds=60)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -68,6 +106,8 @@ def main() -> None:
             self.steps: list[list[int]] = []
             self.first_versions: list[int] | None = None
             self.weights_at_fit_start: float | None = None
+            self.batches: list = []
+            self.logprob_errors: list = []
 
         def on_fit_start(self, trainer, pl_module):
             self.weights_at_fit_start = float(sum(p.double().sum() for p in pl_module.policy.parameters()))
@@ -79,17 +119,20 @@ def main() -> None:
             if args.scenario == "ctrl_c" and trainer.is_global_zero and trainer.global_step == args.kill_at:
                 self.dump(trainer, None)
                 os.killpg(os.getpgid(0), signal.SIGINT)
-            if self.first_versions is None and isinstance(batch, StepBatch) and batch.samples:
+            if self.first_versions is None and batch.samples:
                 self.first_versions = sorted({s.model_version for s in batch.samples})
+            if args.record:
+                self.logprob_errors.append(logprob_error(trainer, pl_module, batch))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if isinstance(batch, StepBatch) and not batch.stop:
-                self.steps.append(list(batch.group_ids))
-                self.dump(trainer, None)
-                weights = float(sum(p.double().sum() for p in pl_module.policy.parameters()))
-                (out / f"weights_step{trainer.global_step}.json").write_text(json.dumps(weights))
+            if args.record:
+                self.batches.append(batch.micro_batches)
+            self.steps.append(list(batch.group_ids))
+            self.dump(trainer, None)
+            weights = float(sum(p.double().sum() for p in pl_module.policy.parameters()))
+            (out / f"weights_step{trainer.global_step}.json").write_text(json.dumps(weights))
             if args.scenario == "kill_child" and trainer.is_global_zero and len(self.steps) == 1:
-                os.kill(trainer.datamodule.worker.pid, signal.SIGKILL)
+                os.kill(trainer.datamodule.rollout_worker.pid, signal.SIGKILL)
 
         def dump(self, trainer, error):
             result = {
@@ -99,6 +142,7 @@ def main() -> None:
                 "first_versions": self.first_versions,
                 "weights_at_fit_start": self.weights_at_fit_start,
                 "dropped": _dropped(trainer),
+                "logprob_errors": self.logprob_errors,
             }
             (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
@@ -112,22 +156,28 @@ def main() -> None:
         max_completion_length=8,
         gradient_accumulation_steps=1,
         samples_per_row=4,
-        max_staleness=1,
+        max_staleness=args.max_staleness,
         heartbeat_timeout=60,
     )
     module = GRPOModule("tiny-random", learning_rate=1e-3)
     recorder = Recorder()
     callbacks = [recorder]
-    if args.scenario in ("kill_self", "resume"):
+    if args.scenario in ("kill_self", "resume", "checkpoint"):
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=1, save_top_k=-1))
-    strategy = DDPStrategy(timeout=timedelta(seconds=60), process_group_backend="gloo") if args.devices > 1 else "auto"
+    if args.strategy == "fsdp2":
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1, timeout=timeout)
+    elif args.strategy == "fsdp2_tp":
+        strategy = ModelParallelStrategy(timeout=timeout)
+    else:
+        strategy = DDPStrategy(timeout=timeout, process_group_backend="gloo") if args.devices > 1 else "auto"
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
         max_epochs=-1,
+        max_steps=args.max_steps,
         logger=CSVLogger(out, name="logs"),
-        enable_checkpointing=args.scenario in ("kill_self", "resume"),
+        enable_checkpointing=args.scenario in ("kill_self", "resume", "checkpoint"),
         enable_progress_bar=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
@@ -142,6 +192,9 @@ def main() -> None:
         error = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
     recorder.dump(trainer, error)
+    if args.record and error is None:
+        torch.save(recorder.batches, out / f"steps_rank{trainer.global_rank}.pt")
+        torch.save(full_weights(module.policy), out / f"final_rank{trainer.global_rank}.pt")
     sys.exit(1 if error else 0)
 
 

@@ -1,0 +1,69 @@
+"""Checks of `GRPODataModule`'s options, run at construction so a bad value fails before anything starts."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ._imports import import_object
+from .session import LOOP_OPTION_NAMES
+from .threads import is_trainer_threads
+
+
+def validate_options(hp: Any) -> None:
+    """Raise one `ValueError` listing every out-of-range option of `GRPODataModule` (its `hparams`)."""
+    problems = []
+    for name in (
+        "num_generations",
+        "max_completion_length",
+        "epochs",
+        "gradient_accumulation_steps",
+        "val_size",
+        "val_batch_size",
+    ):
+        if hp[name] < 1:
+            problems.append(f"{name}={hp[name]} (must be at least 1)")
+    if hp.num_generations < 2:
+        problems.append(f"num_generations={hp.num_generations} (a group needs at least 2 completions to compare)")
+    if hp.max_staleness < 0:
+        problems.append(f"max_staleness={hp.max_staleness} (must be at least 0)")
+    if not (hp.temperature > 0 and math.isfinite(hp.temperature)):
+        problems.append(f"temperature={hp.temperature} (must be positive)")
+    if not 0 < hp.top_p <= 1:
+        problems.append(f"top_p={hp.top_p} (must be in (0, 1])")
+    if hp.reward_num_workers < 0 or hp.reward_timeout <= 0:
+        problems.append(f"reward_num_workers={hp.reward_num_workers}, reward_timeout={hp.reward_timeout}")
+    if not is_trainer_threads(hp.trainer_threads):
+        problems.append(f"trainer_threads={hp.trainer_threads!r} (a positive number of threads, 'auto' or None)")
+    if hp.samples_per_row is not None and hp.samples_per_row < 1:
+        problems.append(f"samples_per_row={hp.samples_per_row} (must be at least 1)")
+    if hp.vllm_transfer not in ("auto", "http", "nccl"):
+        problems.append(f"vllm_transfer={hp.vllm_transfer!r} (one of 'auto', 'http', 'nccl')")
+    if problems:
+        raise ValueError(f"GRPODataModule got invalid options: {'; '.join(problems)}.")
+
+
+def checked_loop_kwargs(loop_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """`loop_kwargs` as a dict, refusing the loop arguments the data module sets from its own options."""
+    loop_kwargs = dict(loop_kwargs or {})
+    if clash := sorted(LOOP_OPTION_NAMES.intersection(loop_kwargs)):
+        raise ValueError(
+            f"`loop_kwargs` sets {clash}, which GRPODataModule sets from its own options: set them there instead "
+            "(e.g. `temperature=...`), and keep `loop_kwargs` for arguments the data module does not have."
+        )
+    return loop_kwargs
+
+
+def resolve_loop_cls(spec: str | type | None) -> type | None:
+    """The rollout loop class a `loop_cls` option names, checked to be a `GRPORolloutLoop` subclass."""
+    if spec is None:
+        return None
+    from .rollout.loop import GRPORolloutLoop
+
+    loop_cls = import_object(spec, "loop_cls") if isinstance(spec, str) else spec
+    if not (isinstance(loop_cls, type) and issubclass(loop_cls, GRPORolloutLoop)):
+        raise ValueError(
+            f"`loop_cls={spec!r}` is not a subclass of lightning_grpo.GRPORolloutLoop: subclass it (its hooks are "
+            "`_trainer_score_payload` and `_provides_rollout_reward`) or leave `loop_cls` unset."
+        )
+    return loop_cls

@@ -1,0 +1,207 @@
+"""Rank 0's rollout session of one fit: the rollout child, and the pipeline from its queue to every rank's steps.
+
+`RolloutSession.start` turns the data module's options into a started `GRPORolloutWorker` (generation and reward
+scoring in a CUDA-free child process) and a `RolloutPipeline` (GroupedQueue → SampleFilterQueue → StepPlanner →
+collator) over its queue. Only rank 0 has one; the other ranks receive their share of each step from `StepStream`.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .metrics import MetricWindow
+from .pipeline.ledger import RolloutProgress
+from .pipeline.stream import RolloutPipeline
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """What the rollout side is built from: the data module's options, resolved (see `GRPODataModule`)."""
+
+    model_name: str
+    dataset: Any
+    reward_funcs: Sequence[Callable]
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    hparams: Any  # the data module's hyper-parameters
+    loop_cls: type | None
+    loop_kwargs: dict[str, Any]
+    world_size: int
+    groups_per_step: int
+
+
+class RolloutSession:
+    """The started rollout child and rank 0's pipeline over its queue; `close()` stops the child and its pool.
+
+    Args:
+        worker: the started `GRPORolloutWorker`.
+        pipeline: the `RolloutPipeline` that `StepStream` iterates on rank 0.
+        metrics: the sink the pipeline's stages append to (drained by `drain_metrics`).
+    """
+
+    def __init__(self, worker: Any, pipeline: RolloutPipeline, metrics: dict[str, list]) -> None:
+        self.worker = worker
+        self.pipeline = pipeline
+        self._metrics = metrics
+        self._window = MetricWindow()
+
+    @classmethod
+    def start(
+        cls,
+        options: SessionOptions,
+        *,
+        progress: RolloutProgress,
+        scorers: Sequence[Any],
+        model_version: Callable[[], int],
+        generator: Any,
+    ) -> RolloutSession:
+        """Spawn the rollout child and build the pipeline over its queue.
+
+        Args:
+            options: the resolved data-module options.
+            progress: the run's ledger (its consumed groups are skipped by the child).
+            scorers: the module's trainer scorers; with any, the child leaves advantages pending.
+            model_version: the policy version the staleness filter compares against (`WeightSync.version`).
+            generator: the embedded generator's `GeneratorSpec`, or None for the vLLM server.
+
+        Raises:
+            RuntimeError: the child failed while starting (its traceback is in the message).
+        """
+        worker = _make_worker(options, progress, generator=generator, trainer_scored=bool(scorers))
+        worker.start()
+        hp = options.hparams
+        metrics: dict[str, list] = {}
+        pipeline = RolloutPipeline(
+            worker,
+            progress,
+            planner_kwargs=_planner_kwargs(options, scorers),
+            collator=_make_collator(options, progress, scorers),
+            model_version=model_version,
+            max_staleness=hp.max_staleness,
+            mask_truncated_completions=hp.mask_truncated_completions,
+            heartbeat_timeout=hp.heartbeat_timeout,
+            metrics=metrics,
+        )
+        return cls(worker, pipeline, metrics)
+
+    def drain_metrics(self) -> dict[str, float]:
+        """What the child and the pipeline measured since the last call, reduced for logging."""
+        window = self._window
+        while True:
+            try:
+                window.update(self.worker.metrics_queue.get_nowait())
+            except (queue.Empty, OSError, ValueError):
+                break
+        window.update(self._metrics)
+        self._metrics.clear()
+        window.add("perf/rollout_wait_s", self.pipeline.wait_s)
+        self.pipeline.wait_s = 0.0
+        return window.flush()
+
+    def close(self) -> None:
+        """Stop the rollout child and every process under it (idempotent)."""
+        self.worker.stop()
+
+
+def _make_worker(options: SessionOptions, progress: RolloutProgress, *, generator: Any, trainer_scored: bool) -> Any:
+    from .rollout.worker import GRPORolloutWorker
+
+    hp = options.hparams
+    loop_options = dict(
+        model_name=options.model_name,
+        dataset=options.dataset,
+        reward_funcs=list(options.reward_funcs),
+        processing_class=options.tokenizer,
+        eos_token_ids=list(options.eos_token_ids),
+        num_generations=hp.num_generations,
+        max_inflight_tasks=(hp.max_staleness + 1) * options.groups_per_step * hp.num_generations,
+        max_tokens=hp.max_completion_length,
+        temperature=hp.temperature,
+        top_p=hp.top_p,
+        top_k=hp.top_k,
+        vllm_server_url=hp.vllm_server_url,
+        generator=generator,
+        reward_weights=hp.reward_weights,
+        multi_objective_aggregation=hp.multi_objective_aggregation,
+        scale_rewards=hp.scale_rewards,
+        reward_num_workers=hp.reward_num_workers,
+        reward_timeout=hp.reward_timeout,
+        trainer_scored=trainer_scored,
+        epochs=hp.epochs,
+        seed=hp.seed,
+        consumed=set(progress.consumed),
+        groups_per_step=options.groups_per_step,
+        max_staleness=hp.max_staleness,
+    )
+    if loop_options.keys() != LOOP_OPTION_NAMES:  # the two lists are kept together on purpose
+        raise RuntimeError(f"LOOP_OPTION_NAMES is out of date: {sorted(loop_options.keys() ^ LOOP_OPTION_NAMES)}")
+    return GRPORolloutWorker(
+        loop_cls=options.loop_cls,
+        child_ready_timeout=hp.child_ready_timeout,
+        **loop_options,
+        **options.loop_kwargs,
+    )
+
+
+#: The loop arguments the session sets from the data module's options; `loop_kwargs` may not set them.
+LOOP_OPTION_NAMES = frozenset(
+    {
+        "model_name",
+        "dataset",
+        "reward_funcs",
+        "processing_class",
+        "eos_token_ids",
+        "num_generations",
+        "max_inflight_tasks",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "vllm_server_url",
+        "generator",
+        "reward_weights",
+        "multi_objective_aggregation",
+        "scale_rewards",
+        "reward_num_workers",
+        "reward_timeout",
+        "trainer_scored",
+        "epochs",
+        "seed",
+        "consumed",
+        "groups_per_step",
+        "max_staleness",
+    }
+)
+
+
+def _planner_kwargs(options: SessionOptions, scorers: Sequence[Any]) -> dict[str, Any]:
+    hp = options.hparams
+    return {
+        "num_processes": options.world_size,
+        "steps": hp.gradient_accumulation_steps,
+        "token_budget": hp.token_budget,
+        "samples_per_row": hp.samples_per_row or hp.num_generations,
+        "scorers": list(scorers),
+        "max_groups_per_step": options.groups_per_step,
+    }
+
+
+def _make_collator(options: SessionOptions, progress: RolloutProgress, scorers: Sequence[Any]) -> Any:
+    from ._trl import get_callable_name
+
+    names = [get_callable_name(func) for func in options.reward_funcs]
+    kwargs = dict(
+        num_processes=options.world_size,
+        pad_token_id=options.tokenizer.pad_token_id or 0,
+        reward_names=names,
+    )
+    if not scorers:
+        from .pipeline.collating import ProgressCollator
+
+        return ProgressCollator(progress, **kwargs)
+    from .scoring.collator import ScoringCollator
+
+    return ScoringCollator(progress, scorers=scorers, **kwargs)

@@ -1,0 +1,114 @@
+"""Data-parallel training of the policy: FSDP2 sharding, which strategies synchronise its gradients, and gradient
+sync only on a step's last micro-batch.
+
+Every rank trains its own rows of a step (`StepStream` scatters them), so the ranks' gradients must be reduced. DDP
+does it (Lightning wraps the module), FSDP1 does it (Lightning's `strategy="fsdp"` wraps it; GPUs only), and FSDP2
+does it once `shard_policy` applied `fully_shard` under `ModelParallelStrategy` (which also runs on CPU with gloo).
+Anything else on several processes would train one policy per rank, so `check_strategy` refuses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    ParallelStrategy,
+    Strategy,
+)
+
+#: The strategies whose gradient reduction `GRPOModule` works with, for the error message.
+SUPPORTED = (
+    "strategy='ddp' (any device), 'fsdp' (GPUs) or ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)"
+)
+
+
+def check_strategy(strategy: Strategy, world_size: int) -> None:
+    """Refuse, at start-up, a strategy under which the policy's gradients would not be reduced across ranks.
+
+    Raises:
+        ValueError: a multi-process strategy other than DDP, FSDP, DeepSpeed or data-parallel `ModelParallelStrategy`,
+            or `ModelParallelStrategy` with a tensor-parallel dimension (the message names the fix).
+    """
+    if world_size == 1:
+        return
+    if isinstance(strategy, ModelParallelStrategy):
+        tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
+        if tensor_parallel > 1:
+            raise ValueError(
+                f"`ModelParallelStrategy(tensor_parallel_size={tensor_parallel})`: GRPOModule shards the policy with "
+                "FSDP2 over the data-parallel dimension and gives every rank its own rows, so a tensor-parallel "
+                f"dimension would leave ranks with unsynchronised gradients. Use ModelParallelStrategy("
+                f"data_parallel_size={world_size}, tensor_parallel_size=1)."
+            )
+        return
+    if isinstance(strategy, DDPStrategy | FSDPStrategy | DeepSpeedStrategy):
+        return
+    raise ValueError(
+        f"`{type(strategy).__name__}` on {world_size} processes does not reduce the policy's gradients across ranks "
+        f"as GRPOModule trains it (every rank trains its own rows), so each rank would train its own policy. Use "
+        f"{SUPPORTED}."
+    )
+
+
+def shard_policy(policy: torch.nn.Module, strategy: Strategy) -> None:
+    """Apply FSDP2's `fully_shard` to each decoder layer and to the whole policy, under `ModelParallelStrategy`.
+
+    Layers are the modules whose class the model lists in `_no_split_modules` (transformers' decoder layers), so each
+    is gathered for its own forward and backward; the root holds the embeddings, the final norm and a (tied) output
+    layer. Tree attention and the packed loss run unchanged. A policy already sharded is left as it is; under any
+    other strategy this does nothing.
+    """
+    if not isinstance(strategy, ModelParallelStrategy) or is_fsdp2(policy):
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = strategy.device_mesh["data_parallel"]
+    layer_classes = set(getattr(policy, "_no_split_modules", None) or ())
+    for module in policy.modules():
+        if module is not policy and type(module).__name__ in layer_classes:
+            fully_shard(module, mesh=mesh)
+    fully_shard(policy, mesh=mesh)
+
+
+def is_fsdp2(module: torch.nn.Module) -> bool:
+    """Whether `fully_shard` was applied to `module`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def is_sharded(policy: torch.nn.Module, wrapped: torch.nn.Module | None) -> bool:
+    """Whether the policy's forward is a collective (FSDP2 on the policy, or FSDP1 around the LightningModule): every
+    rank must then run the same number of forwards."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return is_fsdp2(policy) or isinstance(wrapped, FullyShardedDataParallel)
+
+
+@contextlib.contextmanager
+def gradient_sync(strategy: Strategy, policy: torch.nn.Module, wrapped: Any, enabled: bool) -> Iterator[None]:
+    """Reduce gradients in this backward only when `enabled`: one reduction per optimizer step, on its last
+    micro-batch, whatever the strategy (DDP's `no_sync`, FSDP1's `no_sync`, FSDP2's `set_requires_gradient_sync`)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if enabled or not isinstance(strategy, ParallelStrategy):
+        yield
+    elif is_fsdp2(policy):
+        policy.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            policy.set_requires_gradient_sync(True)
+    elif isinstance(wrapped, FullyShardedDataParallel):
+        with wrapped.no_sync():
+            yield
+    else:
+        with strategy.block_backward_sync():
+            yield
