@@ -45,7 +45,21 @@ def length_reward():
 
 
 def start_worker(model, tokenizer, transfer, **overrides) -> GRPORolloutWorker:
-    kwargs = dict(
+    """A started worker whose embedded generator gets its weights from `transfer` (the model's config, no weights)."""
+    generator = GeneratorSpec(
+        policy=PolicySpec.from_model(model),
+        eos_token_ids=(tokenizer.eos_token_id,),
+        max_tokens=MAX_TOKENS,
+        weight_receiver=transfer.receiver(),
+        seed=0,
+    )
+    worker = GRPORolloutWorker(child_ready_timeout=120, **(worker_options(tokenizer, generator=generator) | overrides))
+    worker.start()
+    return worker
+
+
+def worker_options(tokenizer, **overrides) -> dict:
+    options = dict(
         model_name="tiny",
         dataset=prompts(4),
         reward_funcs=[length_reward()],
@@ -54,21 +68,11 @@ def start_worker(model, tokenizer, transfer, **overrides) -> GRPORolloutWorker:
         num_generations=G,
         max_inflight_tasks=4 * G,
         max_tokens=MAX_TOKENS,
-        generator=GeneratorSpec(
-            policy=PolicySpec.from_model(model),
-            eos_token_ids=(tokenizer.eos_token_id,),
-            max_tokens=MAX_TOKENS,
-            weight_receiver=transfer.receiver(),
-            seed=0,
-        ),
         epochs=1,
         reward_num_workers=1,
         reward_timeout=20.0,
     )
-    kwargs.update(overrides)
-    worker = GRPORolloutWorker(child_ready_timeout=120, **kwargs)
-    worker.start()
-    return worker
+    return options | overrides
 
 
 def push(transfer: SharedMemoryWeightTransfer, model, version: int) -> None:
@@ -246,19 +250,8 @@ def test_the_low_level_worker_runs_generator_embedded_or_fails_at_construction(t
     options; anything that is not a generator fails in `__init__`, before anything is spawned."""
     from lightning_grpo.models import tiny_llama
 
-    worker = GRPORolloutWorker(
-        model_name="tiny-random",
-        dataset=prompts(2),
-        reward_funcs=[length_reward()],
-        processing_class=tokenizer,
-        eos_token_ids=[tokenizer.eos_token_id],
-        num_generations=G,
-        max_tokens=MAX_TOKENS,
-        temperature=0.7,
-        generator="embedded",
-        reward_num_workers=0,
-        child_ready_timeout=120,
-    )
+    options = worker_options(tokenizer, model_name="tiny-random", dataset=prompts(2), temperature=0.7)
+    worker = GRPORolloutWorker(generator="embedded", child_ready_timeout=120, **options)
     worker.start()
     try:
         (group,) = collect_groups(worker, 1).values()

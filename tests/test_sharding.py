@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_fit_processes import all_groups, run_fit
 from test_weight_sync import RecordingTransfer
+from tiny_fits import cpu_trainer
 from torch.utils.data import DataLoader
 
 from lightning_grpo import GRPOModule, RolloutContract, RolloutSource
@@ -95,17 +96,7 @@ def replay(steps: list[StepBatch]) -> tuple[dict[str, torch.Tensor], ReplaySourc
     )
     source = ReplaySource(steps, contract)
     module = GRPOModule("tiny-random", learning_rate=1e-3)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=-1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(module, datamodule=source)
+    cpu_trainer().fit(module, datamodule=source)
     return dict(generator_parameters(module.policy)), source
 
 
