@@ -16,6 +16,7 @@ from .contract import RolloutContract, require_rollout_source
 from .loss import LossStats, grpo_loss, packed_logprobs
 from .pipeline.batch import StepBatch
 from .sharding import check_strategy, gradient_sync, is_sharded, shard_policy
+from .validation import greedy_completions
 
 log = logging.getLogger(__name__)
 
@@ -259,50 +260,21 @@ class GRPOModule(pl.LightningModule):
     # -- validation -------------------------------------------------------------------------------------------------
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
-        datamodule = self.trainer.datamodule
-        completions = self._greedy_completions(batch)
-        rewards = datamodule.score_completions(completions, batch)
+        completions = greedy_completions(
+            self.policy,
+            batch,
+            self.contract.tokenizer,
+            max_tokens=self.hparams.val_max_tokens or self.contract.max_completion_length,
+            attention=self._generate_attention,
+            fixed_length=is_sharded(self.policy, self.trainer.model),
+        )
+        rewards = self.trainer.datamodule.score_completions(completions, batch)
         size = len(batch)
         total = torch.tensor([math.fsum(_nan_to_zero(sum(vals) for vals in zip(*rewards.values(), strict=True)))])
         self.log("val/reward", total / size, batch_size=size, sync_dist=True, on_epoch=True, prog_bar=True)
         for name, values in rewards.items():
             value = torch.tensor([math.fsum(_nan_to_zero(values)) / size])
             self.log(f"val/rewards/{name}", value, batch_size=size, sync_dist=True, on_epoch=True)
-
-    @torch.no_grad()
-    def _greedy_completions(self, rows: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
-        from .data import as_messages
-
-        tokenizer = self.contract.tokenizer
-        max_tokens = self.hparams.val_max_tokens or self.contract.max_completion_length
-        prompts = [
-            tokenizer.apply_chat_template(as_messages(row["prompt"]), add_generation_prompt=True, return_dict=False)
-            for row in rows
-        ]
-        width = max(len(p) for p in prompts)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        # A sharded policy's forward is a collective: every rank runs all `max_tokens` steps (no early stop at EOS,
-        # which would differ between ranks), and each completion is cut at its EOS afterwards.
-        sharded = is_sharded(self.policy, self.trainer.model)
-        policy = self.policy
-        previous = policy.config._attn_implementation
-        policy.set_attn_implementation(self._generate_attention)  # a padded batch, not a packed trie
-        try:
-            out = policy.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=pad,
-                eos_token_id=None if sharded else tokenizer.eos_token_id,
-            )
-        finally:
-            policy.set_attn_implementation(previous)
-        completions = [_cut_at(row.tolist(), tokenizer.eos_token_id) for row in out[:, width:]]
-        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-        return [[{"role": "assistant", "content": text}] for text in texts]
 
 
 def _resolve_scorer(scorer: Any) -> Any:
@@ -325,11 +297,6 @@ def _is_number(value: Any) -> bool:
 
 def _nan_to_zero(values: Any) -> list[float]:
     return [0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in values]
-
-
-def _cut_at(ids: list[int], eos: int | None) -> list[int]:
-    """`ids` up to and including the first `eos`."""
-    return ids[: ids.index(eos) + 1] if eos is not None and eos in ids else ids
 
 
 def _trainer_of(module: pl.LightningModule) -> pl.Trainer | None:

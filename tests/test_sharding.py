@@ -107,9 +107,10 @@ def test_fsdp2_on_two_cpu_ranks_trains_one_policy_equal_to_one_process_and_resum
     assert first[0]["global_step"] == first[1]["global_step"] == 2
     checkpoint = next((tmp_path / "a" / "ckpt").glob("*step=2.ckpt"))  # a distributed checkpoint (a folder)
 
-    code, second = run_fit(tmp_path / "b", *FSDP2, "--scenario", "resume", "--ckpt", str(checkpoint))
+    code, second = run_fit(tmp_path / "b", *FSDP2, "--scenario", "resume", "--ckpt", str(checkpoint), "--validate")
     assert code == 0, (tmp_path / "b" / "log.txt").read_text()[-3000:]
-    assert second[0]["error"] is None and second[1]["error"] is None  # it ended by itself
+    assert second[0]["error"] is None and second[1]["error"] is None  # it ended by itself ...
+    assert second[0]["val_reward"] is not None  # ... and validated (a sharded greedy generate on both ranks)
     assert sorted(all_groups(first) + all_groups(second)) == list(range(8))  # every group once across the resume
 
     # One policy: both ranks hold the same full weights.

@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--record", action="store_true")
+    parser.add_argument("--validate", action="store_true", help="validate on 4 held-out prompts when the fit ends")
     args = parser.parse_args()
 
     import lightning.pytorch as pl
@@ -143,11 +144,18 @@ def main() -> None:
                 "weights_at_fit_start": self.weights_at_fit_start,
                 "dropped": _dropped(trainer),
                 "logprob_errors": self.logprob_errors,
+                "val_reward": float(trainer.callback_metrics["val/reward"])
+                if "val/reward" in trainer.callback_metrics
+                else None,
             }
             (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
     reward = constant_reward if args.scenario == "stall" else char_sum_reward
-    prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}."}] for i in range(args.prompts)]})
+
+    def say(n: int) -> Dataset:
+        return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}."}] for i in range(n)]})
+
+    prompts = say(args.prompts)
     datamodule = GRPODataModule(
         model="tiny-random",
         dataset=prompts,
@@ -158,6 +166,8 @@ def main() -> None:
         samples_per_row=4,
         max_staleness=args.max_staleness,
         heartbeat_timeout=60,
+        val_dataset=say(4) if args.validate else None,
+        val_batch_size=2,
     )
     module = GRPOModule("tiny-random", learning_rate=1e-3)
     recorder = Recorder()
@@ -180,7 +190,7 @@ def main() -> None:
         enable_checkpointing=args.scenario in ("kill_self", "resume", "checkpoint"),
         enable_progress_bar=False,
         num_sanity_val_steps=0,
-        limit_val_batches=0,
+        limit_val_batches=None if args.validate else 0,
         log_every_n_steps=1,
         callbacks=callbacks,
     )
