@@ -330,8 +330,9 @@ class GRPODataModule(pl.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """The consumed prompt groups and the policy version (rank 0's are written); plain types only."""
         state: dict[str, Any] = {"progress": self._progress.state_dict() if self._progress is not None else {}}
-        if self.weight_sync is not None:
-            state["weight_sync"] = self.weight_sync.state_dict()
+        sync = self.weight_sync.state_dict() if self.weight_sync is not None else self._restored.get("weight_sync")
+        if sync is not None:
+            state["weight_sync"] = sync
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

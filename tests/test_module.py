@@ -8,15 +8,39 @@ from tiny_fits import cpu_trainer, tiny_datamodule, tiny_prompts
 
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.rollout.loop import GRPORolloutLoop
+from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer
+
+
+class StrictSharedMemory(SharedMemoryWeightTransfer):
+    """The embedded generator's transfer, refusing a send before `init_weight_transfer()` (as TRL's NCCL client
+    effectively does) and recording each push's version."""
+
+    calls: list[str] = []
+    versions: list[int] = []
+
+    def init_weight_transfer(self) -> None:
+        self.calls.append("init")
+        self.initialised = True
+        super().init_weight_transfer()
+
+    def send_weights(self, iterator, version=None) -> None:
+        assert getattr(self, "initialised", False), "send_weights before init_weight_transfer"
+        self.calls.append("send")
+        self.versions.append(version)
+        super().send_weights(iterator, version=version)
 
 
 @pytest.mark.timeout(240)
 def test_fit_ends_by_itself_when_groups_are_consumed(tmp_path, no_leaked_processes):
-    datamodule = tiny_datamodule(6, epochs=1, gradient_accumulation_steps=2)
+    """Also: the weight transfer passed as `weight_transfer` (built from the policy at the first push) is initialised
+    once, before the first send, and every push publishes the next version."""
+    datamodule = tiny_datamodule(6, epochs=1, gradient_accumulation_steps=2, weight_transfer=StrictSharedMemory)
     trainer = cpu_trainer(default_root_dir=tmp_path)
     trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
     assert trainer.global_step == 3
     assert datamodule.progress.trained_total + sum(datamodule.progress.dropped.values()) == 6
+    assert StrictSharedMemory.calls == ["init"] + ["send"] * 4 and StrictSharedMemory.versions == [0, 1, 2, 3]
+    assert datamodule.state_dict()["weight_sync"] == {"version": 3}
 
 
 @pytest.mark.timeout(240)
