@@ -15,7 +15,7 @@ from ._imports import import_object
 from .contract import RolloutContract, require_rollout_source
 from .loss import LossStats, grpo_loss, packed_logprobs
 from .pipeline.batch import StepBatch
-from .sharding import check_strategy, gradient_sync, is_sharded, shard_policy
+from .sharding import check_strategy, clip_gradient_norm, gradient_sync, is_sharded, shard_policy
 from .validation import greedy_completions
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ class GRPOModule(pl.LightningModule):
             stats = stats + micro_stats
             total_loss += loss.detach().float().cpu()
         if self.hparams.max_grad_norm is not None:
-            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+            clip_gradient_norm(self, optimizer, self.hparams.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()

@@ -92,6 +92,19 @@ def is_sharded(policy: torch.nn.Module, wrapped: torch.nn.Module | None) -> bool
     return is_fsdp2(policy) or isinstance(wrapped, FullyShardedDataParallel)
 
 
+def clip_gradient_norm(module: Any, optimizer: Any, max_norm: float) -> None:
+    """Clip the policy's gradient norm to `max_norm` over all ranks: FSDP1 clips through its root wrapper (Lightning's
+    `clip_gradients` refuses norm clipping under FSDP1); everything else through Lightning (FSDP2's DTensor gradients
+    give the global norm)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = module.trainer.model
+    if isinstance(wrapped, FullyShardedDataParallel):
+        wrapped.clip_grad_norm_(max_norm)
+    else:
+        module.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+
+
 @contextlib.contextmanager
 def gradient_sync(strategy: Strategy, policy: torch.nn.Module, wrapped: Any, enabled: bool) -> Iterator[None]:
     """Reduce gradients in this backward only when `enabled`: one reduction per optimizer step, on its last
