@@ -37,6 +37,8 @@ class RolloutContract:
         multi_objective_aggregation: `"sum_then_normalize"` or `"normalize_then_sum"`.
         scale_rewards: `"group"`, `"batch"` or `"none"`.
         mask_truncated_completions: truncated completions train nothing.
+        advantage_estimator: the advantages' baseline, `"grpo"`, `"rloo"` or `"reinforce_plus_plus"` (trainer-scored
+            groups are scored with it).
     """
 
     tokenizer: Any
@@ -49,6 +51,7 @@ class RolloutContract:
     multi_objective_aggregation: str
     scale_rewards: str
     mask_truncated_completions: bool
+    advantage_estimator: str = "grpo"
 
     def __post_init__(self) -> None:
         if len(self.reward_weights) != len(self.reward_names):
