@@ -57,6 +57,10 @@ class LossStats:
             merged._maximum(name, value)
         return merged
 
+    def count(self, name: str) -> float:
+        """The total weight counted towards the mean `name` (0 when nothing was)."""
+        return float(self._sums.get(name + _COUNT, 0.0))
+
     def sums(self) -> torch.Tensor:
         """The additive values in name order, for a SUM all-reduce."""
         return _stack(self._sums)

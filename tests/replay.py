@@ -86,10 +86,16 @@ def planned_steps(
     return planned
 
 
-def fit_replay(module, steps: list[StepBatch], contract: RolloutContract | None = None, **trainer_options):
-    """`Trainer.fit(module)` on `steps` (one process); returns the `ReplaySource`."""
+def fit_replay(
+    module,
+    steps: list[StepBatch],
+    contract: RolloutContract | None = None,
+    ckpt_path: str | None = None,
+    **trainer_options,
+):
+    """`Trainer.fit(module)` on `steps` (one process; from `ckpt_path` if given); returns the `ReplaySource`."""
     from tiny_fits import cpu_trainer
 
     source = ReplaySource(steps, contract or tiny_contract())
-    cpu_trainer(**trainer_options).fit(module, datamodule=source)
+    cpu_trainer(**trainer_options).fit(module, datamodule=source, ckpt_path=ckpt_path)
     return source
