@@ -166,6 +166,8 @@ class GRPOModule(pl.LightningModule):
                 f"`GRPOModule({', '.join(problems)})`: learning_rate and max_grad_norm must be positive, "
                 "warmup_steps at least 0."
             )
+        self.save_hyperparameters(ignore=["model", "scorers"])
+        loss = {name: self.hparams[name] for name in LossOptions.__dataclass_fields__}
         if vllm_importance_sampling_cap is not None:
             warnings.warn(
                 "`GRPOModule(vllm_importance_sampling_cap=...)` is deprecated (as in TRL): use "
@@ -173,29 +175,8 @@ class GRPOModule(pl.LightningModule):
                 FutureWarning,
                 stacklevel=2,
             )
-            vllm_importance_sampling_clip_max = vllm_importance_sampling_cap
-        self.loss_options = LossOptions(
-            loss_type=loss_type,
-            importance_sampling_level=importance_sampling_level,
-            epsilon=epsilon,
-            epsilon_high=epsilon_high,
-            delta=delta,
-            beta=beta,
-            use_bias_correction_kl=use_bias_correction_kl,
-            vllm_importance_sampling_correction=vllm_importance_sampling_correction,
-            vllm_importance_sampling_mode=vllm_importance_sampling_mode,
-            vllm_importance_sampling_clip_min=vllm_importance_sampling_clip_min,
-            vllm_importance_sampling_clip_max=vllm_importance_sampling_clip_max,
-            off_policy_mask_threshold=off_policy_mask_threshold,
-            top_entropy_quantile=top_entropy_quantile,
-            entropy_coef=entropy_coef,
-            sapo_temperature_neg=sapo_temperature_neg,
-            sapo_temperature_pos=sapo_temperature_pos,
-            vespo_k_pos=vespo_k_pos,
-            vespo_lambda_pos=vespo_lambda_pos,
-            vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg,
-        )
+            loss["vllm_importance_sampling_clip_max"] = vllm_importance_sampling_cap
+        self.loss_options = LossOptions(**loss)
         check_options(
             self.loss_options,
             num_iterations=num_iterations,
@@ -203,7 +184,6 @@ class GRPOModule(pl.LightningModule):
             ref_model_mixup_alpha=ref_model_mixup_alpha,
             ref_model_sync_steps=ref_model_sync_steps,
         )
-        self.save_hyperparameters(ignore=["model", "scorers"])
         self.model_name = model if isinstance(model, str) else None
         self.policy: Any = model if isinstance(model, torch.nn.Module) else None
         self.scorers = [_resolve_scorer(scorer) for scorer in scorers or []]

@@ -1,59 +1,25 @@
-"""Real `Trainer.fit` runs of `GRPOModule` on given steps, without a rollout child: `ReplaySource` is a second
-implementation of `lightning_grpo.RolloutSource` that replays `StepBatch`es (planned by the real `StepPlanner` and
-packed by the real `ProgressCollator`, see `planned_steps`)."""
+"""Real `Trainer.fit` runs of `GRPOModule` on given steps, without a rollout child: `ReplaySource` is the package's
+`StepReplay` (a second implementation of `lightning_grpo.RolloutSource`) over `StepBatch`es planned by the real
+`StepPlanner` and packed by the real `ProgressCollator` (see `planned_steps`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import lightning.pytorch as pl
 from test_weight_sync import RecordingTransfer
-from torch.utils.data import DataLoader
 
 from lightning_grpo import RolloutContract
 from lightning_grpo.models import char_tokenizer
 from lightning_grpo.pipeline.batch import StepBatch
-from lightning_grpo.weights.sync import WeightSync
+from lightning_grpo.replay import StepReplay
 
 
-class ReplaySource(pl.LightningDataModule):
-    """Replays recorded steps to `GRPOModule` on one process: the whole `RolloutSource` protocol, nothing spawned."""
+class ReplaySource(StepReplay):
+    """`StepReplay` pushing through a `RecordingTransfer` (what it sent is in `transfer`)."""
 
     def __init__(self, steps: list[StepBatch], contract: RolloutContract) -> None:
-        super().__init__()
-        self.steps = steps
-        self.contract = contract
         self.transfer = RecordingTransfer()
-        self.weight_sync = WeightSync(self.transfer)
-        self.progress = None
-        self.process_group = None
-        self.finished: list[list[int]] = []
-        self._stop: StepBatch | None = None
-
-    def rollout_contract(self) -> RolloutContract:
-        return self.contract
-
-    def train_dataloader(self) -> DataLoader:
-        self.weight_sync.push(self.trainer.lightning_module.policy)
-        return DataLoader(self.steps, batch_size=None, collate_fn=lambda step: step)
-
-    def finish_step(self, batch: StepBatch, *, look_ahead: bool) -> StepBatch | None:
-        self.finished.append(batch.group_ids)
-        if look_ahead and len(self.finished) == len(self.steps):
-            self._stop = StepBatch.stop_item()
-        return self._stop
-
-    def stream_stop(self) -> StepBatch | None:
-        return self._stop
-
-    def rollout_metrics(self) -> dict[str, float]:
-        return {}
-
-    def progress_summary(self) -> None:
-        return None
-
-    def score_completions(self, completions, rows):
-        raise AssertionError("the replay has no validation")
+        super().__init__(steps, contract, weight_transfer=self.transfer)
 
 
 def tiny_contract(**overrides) -> RolloutContract:

@@ -27,6 +27,28 @@ from trl.trainer.rloo_trainer import RLOOTrainer
 PAD = 0
 
 
+#: the trainer attributes `GRPOTrainer.__init__` copies from its config (tests/test_trl_names.py pins them)
+CONFIG_ATTRIBUTES = [
+    "beta",
+    "loss_type",
+    "importance_sampling_level",
+    "off_policy_mask_threshold",
+    "top_entropy_quantile",
+    "entropy_coef",
+    "use_adaptive_entropy",
+    "num_iterations",
+    "max_completion_length",
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_clip_max",
+    "scale_rewards",
+    "multi_objective_aggregation",
+    "num_generations",
+    "mask_truncated_completions",
+]
+
+
 class LogprobsModel(torch.nn.Module):
     """A causal LM as TRL's `_get_per_token_logps_and_entropies` calls it, returning fixed per-token numbers.
 
@@ -62,26 +84,7 @@ def grpo_trainer(model: torch.nn.Module | None = None, *, ref_model=None, traine
     trainer.accelerator = Accelerator(cpu=True)
     trainer.model = model if model is not None else LogprobsModel(torch.zeros(1, 1))
     trainer.ref_model = ref_model
-    names = [
-        "beta",
-        "loss_type",
-        "importance_sampling_level",
-        "off_policy_mask_threshold",
-        "top_entropy_quantile",
-        "entropy_coef",
-        "use_adaptive_entropy",
-        "num_iterations",
-        "max_completion_length",
-        "vllm_importance_sampling_correction",
-        "vllm_importance_sampling_mode",
-        "vllm_importance_sampling_clip_min",
-        "vllm_importance_sampling_clip_max",
-        "scale_rewards",
-        "multi_objective_aggregation",
-        "num_generations",
-        "mask_truncated_completions",
-    ]
-    for name in names:
+    for name in CONFIG_ATTRIBUTES:
         if hasattr(args, name):
             setattr(trainer, name, getattr(args, name))
     trainer.use_vllm = use_vllm
