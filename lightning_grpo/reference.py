@@ -71,6 +71,8 @@ class ReferenceModel:
     def mix(self, policy: torch.nn.Module, alpha: float) -> None:
         """TR-DPO's update, `reference = alpha * policy + (1 - alpha) * reference`, parameter by parameter (shard by
         shard under FSDP2: both are sharded alike)."""
+        _reshard(self.model)
+        _reshard(policy)
         pairs = zip(self.model.parameters(), policy.parameters(), strict=True)
         for reference, current in pairs:
             reference.data.mul_(1.0 - alpha).add_(current.data, alpha=alpha)
@@ -87,6 +89,7 @@ class ReferenceModel:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` saved (each rank keeps its own shard of a sharded parameter)."""
+        _reshard(self.model)
         params = dict(self.model.named_parameters())
         missing = sorted(set(params) ^ set(state["parameters"]))
         if missing:
@@ -95,6 +98,16 @@ class ReferenceModel:
             for name, param in params.items():
                 _copy_full(param, state["parameters"][name])
         self.mixed = bool(state.get("mixed", True))
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Register FSDP2's sharded parameters again (its root keeps the unsharded ones after a forward), so that a
+    model's parameters are its shards (DTensors), the same kind as in a model sharded alike."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

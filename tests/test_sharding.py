@@ -1,6 +1,7 @@
 """Sharded training: FSDP2 under `ModelParallelStrategy` on 2 CPU processes (gloo) trains one policy, equal to a
-1-process run on the same steps, keeps the generator on the trained weights, ends by itself and resumes; strategies
-that would not synchronise gradients are refused at start-up.
+1-process run on the same steps (with a reference model, sharded, mixed by TR-DPO and resumed from the checkpoint),
+keeps the generator on the trained weights, ends by itself and resumes; strategies that would not synchronise
+gradients are refused at start-up.
 
 The 2-process runs are `tests/scripts/fit_tiny.py` in their own process session (see `test_fit_processes.py`); the
 1-process run replays their recorded micro-batches through a real `Trainer.fit` of `GRPOModule`, fed by
@@ -21,7 +22,12 @@ from lightning_grpo.pipeline.batch import StepBatch
 from lightning_grpo.sharding import check_strategy
 from lightning_grpo.weights.parameters import generator_parameters
 
-FSDP2 = ("--devices", "2", "--strategy", "fsdp2", "--max-staleness", "0", "--record", "--prompts", "8")
+# with a reference model mixed every step (TR-DPO): sharded like the policy, mixed shard by shard, checkpointed
+REFERENCE = {"beta": 0.04, "sync_ref_model": True, "ref_model_sync_steps": 1}
+FSDP2 = (
+    *("--devices", "2", "--strategy", "fsdp2", "--max-staleness", "0", "--record", "--prompts", "8"),
+    *("--beta", str(REFERENCE["beta"]), "--ref-sync-steps", str(REFERENCE["ref_model_sync_steps"])),
+)
 
 
 def one_process_steps(run_dirs: list[Path]) -> list[StepBatch]:
@@ -37,7 +43,7 @@ def one_process_steps(run_dirs: list[Path]) -> list[StepBatch]:
 
 def replay(steps: list[StepBatch]) -> tuple[dict[str, torch.Tensor], ReplaySource]:
     """The weights after training fit_tiny.py's module on `steps` in one process (same options, same initial weights)."""
-    module = GRPOModule("tiny-random", learning_rate=1e-3)
+    module = GRPOModule("tiny-random", learning_rate=1e-3, **REFERENCE)
     source = fit_replay(module, steps, tiny_contract())
     return dict(generator_parameters(module.policy)), source
 
