@@ -62,19 +62,18 @@ def trl_batch_advantages(samples, reward_names, aggregation: str, num_generation
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
-def test_batch_scaled_rewards_train_trls_advantages_and_a_truncated_sampler_gives_a_unit_ratio(
-    aggregation, no_leaked_processes
-):
-    """`scale_rewards="batch"` without trainer scorers: the step's advantages are GRPOTrainer's over a batch (the
-    weighted reward, or GDPO's summed z-scores, scaled by their std over the step); and with `top_k`/`top_p` the
-    trainer's log-probabilities are those of the same truncated distribution the generator sampled from, so the
-    first step (trained on the weights that generated it) has a ratio of 1."""
+def test_batch_scaled_rewards_train_trls_advantages_and_a_truncated_sampler_gives_a_unit_ratio(no_leaked_processes):
+    """`scale_rewards="batch"` without trainer scorers: the step's advantages are GRPOTrainer's over a batch (here
+    GDPO's summed z-scores of two reward columns, scaled by their std over the step; the weighted sum's form goes
+    the same way, see `test_advantage_parity.py`); and with `top_k`/`top_p` the trainer's log-probabilities are those
+    of the same truncated distribution the generator sampled from, so the first step (trained on the weights that
+    generated it) has a ratio of 1."""
     from tiny_fits import char_sum_reward
 
+    aggregation = "normalize_then_sum"
     recorder = StepRecorder()
     datamodule = tiny_datamodule(
-        6,
+        4,
         reward_funcs=[char_sum_reward, length_reward],
         multi_objective_aggregation=aggregation,
         scale_rewards="batch",
