@@ -29,8 +29,8 @@ class RolloutContract:
     Attributes:
         tokenizer: the policy's tokenizer (validation renders prompts and decodes completions with it).
         temperature: the generator's sampling temperature; the loss divides the policy's logits by it.
-        top_p: the generator's nucleus mass.
-        top_k: the generator's top-k (0 = off).
+        top_p: the generator's nucleus mass; the loss scores the same truncated distribution.
+        top_k: the generator's top-k (0 = off); likewise.
         max_completion_length: tokens per completion (validation's default budget).
         reward_names: the rollout reward columns, in `StepBatch.reward_names` order.
         reward_weights: one weight per rollout reward column.

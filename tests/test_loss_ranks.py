@@ -71,3 +71,27 @@ def test_one_rank_one_micro_batch_equals_two_gloo_ranks_with_two_micro_batches(t
             assert got.keys() == expected.keys()
             for name, value in expected.items():
                 torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=f"{options.loss_type}: {name}")
+
+
+def test_score_step_rewrites_both_normalisers_when_it_masks_samples():
+    """Trainer scoring takes samples that carry no gradient out of the loss: the step's token and sequence counts
+    (what every loss type divides by) become those of the samples still trained, on every micro-batch."""
+    from packed_rows import tiny_reward_model
+
+    from lightning_grpo.scoring.scorers import RewardModelScorer
+    from lightning_grpo.scoring.step import score_step
+
+    scorers = [RewardModelScorer(tiny_reward_model(0), name="rm")]
+    pending = [
+        rollout_group(0, 6, [3, 5, 4, 6], seed=0, rewards=[1, 0, 1, 0], truncated=[False, True, False, False]),
+        rollout_group(1, 4, [2, 7, 5, 3], seed=1, rewards=[0, 1, 0, 1]),
+    ]
+    plan = plan_step(pending, num_processes=1, steps=2, samples_per_row=4, scorers=scorers)
+    step = collate_step(plan, scorers, num_processes=1, reward_names=["accuracy"])[0]
+    scored = score_step(torch.nn.Linear(1, 1), step, scorers=scorers, mask_truncated_completions=True)
+    assert (~scored.trained).sum() >= 1  # the truncated sample left the loss
+    tokens = sum(mb["token_index"].numel() for mb in step.micro_batches)
+    sequences = sum(int((torch.bincount(mb["segment_id"]) > 0).sum()) for mb in step.micro_batches)
+    assert sequences == int(scored.trained.sum()) < 8
+    for mb in step.micro_batches:
+        assert mb["step_trained_tokens"].item() == tokens and mb["step_sequences"].item() == sequences
