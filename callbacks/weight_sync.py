@@ -21,7 +21,9 @@ class WeightSyncCallback(Callback):
     that generated them, which is what staleness is measured against; it grows by one per push, not per step.
 
     Runs on every rank, because gathering sharded weights is a collective; only rank 0 sends. Logs `weights/version`
-    and `perf/weight_sync_s` (TRL's name).
+    and `perf/weight_sync_s` (TRL's name). Pushes happen after a Lightning batch: with `GRPOModule(num_iterations=k)`
+    a batch holds `k` optimizer steps, and the push follows each batch during which a multiple of `every_n_steps`
+    was reached.
 
     Args:
         every_n_steps: optimizer steps between pushes.
@@ -39,6 +41,7 @@ class WeightSyncCallback(Callback):
         if every_n_steps < 1:
             raise ValueError(f"`WeightSyncCallback(every_n_steps={every_n_steps})` must be at least 1.")
         self.every_n_steps = every_n_steps
+        self._steps_before_batch = 0
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -46,10 +49,16 @@ class WeightSyncCallback(Callback):
             require_rollout_source(trainer.datamodule, type(self).__name__)
 
     @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._steps_before_batch = trainer.global_step
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step % self.every_n_steps:
+        if trainer.global_step // self.every_n_steps == self._steps_before_batch // self.every_n_steps:
             return
         sync = trainer.datamodule.weight_sync
         version = sync.push(pl_module.policy, wrapped=trainer.model)

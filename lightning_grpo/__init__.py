@@ -60,6 +60,11 @@ _EXPORTS = {
     "RolloutSource": "contract",
     "register_tree_attention": "attention",
     "grpo_loss": "loss",
+    "policy_loss": "loss",
+    "LossOptions": "loss_options",
+    "ReferenceModel": "reference",
+    "ReferencePolicy": "reference",
+    "StepReplay": "replay",
     "GRPOModule": "module",
     "GRPODataModule": "datamodule",
 }
@@ -71,7 +76,8 @@ if TYPE_CHECKING:
     from .attention import register_tree_attention
     from .contract import RolloutContract, RolloutSource
     from .datamodule import GRPODataModule
-    from .loss import grpo_loss
+    from .loss import grpo_loss, policy_loss
+    from .loss_options import LossOptions
     from .module import GRPOModule
     from .pipeline.batch import StepBatch
     from .pipeline.collating import ProgressCollator
@@ -80,6 +86,8 @@ if TYPE_CHECKING:
     from .pipeline.ledger import RolloutProgress, RolloutStop
     from .pipeline.planner import ScoredRow, StepPlan, StepPlanner, check_step_capacity
     from .pipeline.stopping import StopAwareDataset
+    from .reference import ReferenceModel, ReferencePolicy
+    from .replay import StepReplay
     from .rollout.advantages import compute_group_advantages
     from .rollout.generator import EmbeddedGenerator, GeneratorSpec, PolicySpec
     from .rollout.loop import GRPORolloutLoop

@@ -29,14 +29,16 @@ class RolloutContract:
     Attributes:
         tokenizer: the policy's tokenizer (validation renders prompts and decodes completions with it).
         temperature: the generator's sampling temperature; the loss divides the policy's logits by it.
-        top_p: the generator's nucleus mass.
-        top_k: the generator's top-k (0 = off).
+        top_p: the generator's nucleus mass; the loss scores the same truncated distribution.
+        top_k: the generator's top-k (0 = off); likewise.
         max_completion_length: tokens per completion (validation's default budget).
         reward_names: the rollout reward columns, in `StepBatch.reward_names` order.
         reward_weights: one weight per rollout reward column.
         multi_objective_aggregation: `"sum_then_normalize"` or `"normalize_then_sum"`.
         scale_rewards: `"group"`, `"batch"` or `"none"`.
         mask_truncated_completions: truncated completions train nothing.
+        advantage_estimator: the advantages' baseline, `"grpo"`, `"rloo"` or `"reinforce_plus_plus"` (trainer-scored
+            groups are scored with it).
     """
 
     tokenizer: Any
@@ -49,6 +51,7 @@ class RolloutContract:
     multi_objective_aggregation: str
     scale_rewards: str
     mask_truncated_completions: bool
+    advantage_estimator: str = "grpo"
 
     def __post_init__(self) -> None:
         if len(self.reward_weights) != len(self.reward_names):

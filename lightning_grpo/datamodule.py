@@ -73,7 +73,12 @@ class GRPODataModule(pl.LightningDataModule):
             TRL's reward signature.
         reward_weights: one weight per reward function (default all 1).
         multi_objective_aggregation: `"sum_then_normalize"` (GRPO) or `"normalize_then_sum"` (GDPO).
-        scale_rewards: `"group"`, `"batch"` or `"none"`.
+        scale_rewards: `"group"` (divide by the group's std), `"batch"` (by one std over each optimizer step's groups,
+            GRPOTrainer's form over its batch) or `"none"`.
+        advantage_estimator: the baseline subtracted from each completion's reward: `"grpo"` (the group mean),
+            `"rloo"` (the mean of the group's other completions, TRL's `RLOOTrainer`) or `"reinforce_plus_plus"`
+            (the group mean, then REINFORCE++-baseline's normalisation by the std of the advantages over the step;
+            needs `scale_rewards="batch"`).
         reward_num_workers: processes scoring synchronous rewards (0: threads, unsafe for CPU-heavy rewards).
         reward_timeout: seconds one reward call may take before it scores NaN.
         generator: `"embedded"` (the policy on CPU in the child) or `"vllm"` (TRL's HTTP path to a vLLM server).
@@ -124,6 +129,7 @@ class GRPODataModule(pl.LightningDataModule):
         reward_weights: list[float] | None = None,
         multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize",
         scale_rewards: Literal["group", "batch", "none"] = "group",
+        advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = "grpo",
         reward_num_workers: int = 1,
         reward_timeout: float = 30.0,
         generator: Literal["embedded", "vllm"] = "embedded",
@@ -222,6 +228,7 @@ class GRPODataModule(pl.LightningDataModule):
             multi_objective_aggregation=hp.multi_objective_aggregation,
             scale_rewards=hp.scale_rewards,
             mask_truncated_completions=hp.mask_truncated_completions,
+            advantage_estimator=hp.advantage_estimator,
         )
         self.train_prompts = prompts
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -13,10 +14,15 @@ import torch
 
 from ._imports import import_object
 from .contract import RolloutContract, require_rollout_source
-from .loss import LossStats, grpo_loss, packed_logprobs
-from .pipeline.batch import StepBatch
+from .loss import LossContext, LossStats, micro_batch_loss
+from .loss_options import ImportanceSamplingLevel, ImportanceSamplingMode, LossOptions, LossType, check_options
+from .pipeline.batch import MicroBatch, StepBatch
+from .reference import ReferenceModel, ReferencePolicy
 from .sharding import check_strategy, clip_gradient_norm, gradient_sync, is_sharded, shard_policy
 from .validation import greedy_completions
+
+#: Checkpoint key of the reference model, present once `sync_ref_model` mixed it (it is the initial policy before).
+REFERENCE_KEY = "grpo_reference_model"
 
 log = logging.getLogger(__name__)
 
@@ -29,18 +35,25 @@ class GRPOModule(pl.LightningModule):
     the module trains only on a `lightning_grpo.RolloutSource`. `on_train_batch_start` runs the trainer scorers
     (`score_step`) on groups whose advantages are pending; `training_step` runs each micro-batch's forward (tree
     attention over the packed prefix trie) and backward, with gradient sync only on the last one, clips the gradient
-    norm and steps the optimizer once. The loss is TRL's async GRPO loss: a PPO-clipped ratio against the generator's
-    log-probabilities, a token mean over the whole step. `validation_step` samples greedy completions of held-out
-    prompts and scores them with the data module's reward functions (`val/reward`, `val/rewards/<name>`), so
-    `Trainer.validate` and `val_check_interval` work.
+    norm and steps the optimizer, `num_iterations` times on the same step (the learning-rate schedule steps per
+    optimizer step; the step's groups are committed once, after the last). The loss is TRL GRPOTrainer's family
+    (`loss_type`, with its options under the same names, defaults and meanings), with the ratio taken against the
+    generator's log-probabilities (as in TRL's async GRPO), each loss type normalised exactly over the step's ranks
+    and micro-batches; with `beta > 0` a frozen reference model (`lightning_grpo.reference`) adds GRPOTrainer's KL
+    term. `validation_step` samples greedy completions of held-out prompts and scores them with the data module's
+    reward functions (`val/reward`, `val/rewards/<name>`), so `Trainer.validate` and `val_check_interval` work.
 
     Several processes: DDP (`strategy="ddp"`), Lightning's FSDP on GPUs (`strategy="fsdp"`), or FSDP2 through
     `ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`, under which `configure_model` shards the
     policy with `fully_shard` (CPU with gloo too). A strategy that would not reduce the policy's gradients across
     ranks is refused at start-up.
 
-    Logged (TRL's names): `loss`, `reward`, `reward_std`, `rewards/<name>`, `ratio`, `kl`, `entropy`,
-    `clip_ratio/*`, `sample/staleness_*`, `batch/*`, `perf/step_s`, `perf/fwd_bwd_s`, `lr`.
+    Logged (TRL's names): `loss`, `reward`, `reward_std`, `rewards/<name>`, `ratio`, `entropy`, `clip_ratio/*`
+    (clipped losses), `cispo_clip_ratio`, `vespo/phi_seq_mean`, `kl` (to the reference, with `beta > 0`),
+    `sampling/sampling_logp_difference/{mean,max}` (trainer vs generator at the step's first pass),
+    `sampling/importance_sampling_ratio/{min,mean,max}` (with the correction), `policy_loss` and `entropy_coef`
+    (with an entropy bonus), the masked fractions `sampling/is_masked_frac`, `off_policy/masked_frac` and
+    `entropy/masked_frac`, `sample/staleness_*`, `batch/*`, `perf/step_s`, `perf/fwd_bwd_s`, `lr`.
 
     Args:
         model: the policy: a name or path for `lightning_grpo.models.load_policy` (`"tiny-random"`,
@@ -51,7 +64,38 @@ class GRPOModule(pl.LightningModule):
         warmup_steps: linear warm-up of the learning rate over this many optimizer steps, then constant.
         max_grad_norm: clip the gradient norm to this; None disables clipping.
         epsilon: lower clip range of the ratio (`1 - epsilon`).
-        epsilon_high: upper clip range (`1 + epsilon_high`); default `epsilon` (DAPO uses 0.28).
+        epsilon_high: upper clip range (`1 + epsilon_high`), at least `epsilon`; default `epsilon` (DAPO uses 0.28).
+            With `loss_type="cispo"` the cap of the ratio itself (ScaleRL uses 5.0).
+        loss_type: TRL's: `"dapo"` (token mean over the step), `"bnpo"` (the same here: the step is the batch),
+            `"grpo"` (mean over sequences of each one's token mean), `"dr_grpo"` (sum over sequences times
+            `max_completion_length`), `"cispo"`, `"sapo"`, `"luspo"` (sequence sums), `"vespo"`.
+        importance_sampling_level: `"token"`, or `"sequence"` (GSPO: one ratio per completion, the exponentiated mean
+            of its log-ratios).
+        delta: two-sided clip (INTELLECT-2): cap the ratio at `delta` (> 1) in the clipped losses; None: off.
+        beta: weight of the KL to the reference model (k3 estimator, per token); 0 loads no reference.
+        use_bias_correction_kl: multiply the KL term by the ratio (DeepSeek-V3.2's unbiased KL gradient), as TRL.
+        sync_ref_model: mix the policy into the reference every `ref_model_sync_steps` optimizer steps (TR-DPO);
+            needs `beta > 0`.
+        ref_model_mixup_alpha: TR-DPO's alpha: `reference = alpha * policy + (1 - alpha) * reference`.
+        ref_model_sync_steps: TR-DPO's tau, in optimizer steps.
+        vllm_importance_sampling_correction: correct for the generator-trainer mismatch as GRPOTrainer does with vLLM:
+            the ratio is taken against the policy at the step's first pass and each term is weighted by
+            `exp(first pass - generator)`, truncated or masked by the mode and the clip bounds. Default False (TRL:
+            True, applied only with vLLM): without it the ratio is against the generator's log-probabilities.
+        vllm_importance_sampling_mode: `"token_truncate"`, `"token_mask"`, `"sequence_truncate"` or
+            `"sequence_mask"` (TRL's default).
+        vllm_importance_sampling_clip_min: lower bound of that weight (None: none).
+        vllm_importance_sampling_clip_max: upper bound of that weight (TRL's 3.0; None: none).
+        vllm_importance_sampling_cap: deprecated name of `vllm_importance_sampling_clip_max`, as in TRL.
+        off_policy_mask_threshold: drop a negative-advantage completion whose mean KL from the generator exceeds
+            this (DeepSeek-V3.2's off-policy sequence mask); None: off.
+        top_entropy_quantile: train only the terms whose entropy is in this top quantile of each micro-batch's (over
+            ranks), as GRPOTrainer; 1 keeps all.
+        entropy_coef: weight of an entropy bonus (the mean entropy of the trained terms over the step).
+        num_iterations: optimizer steps on each planned step (GRPO's mu); the ratio is always against the
+            generator's log-probabilities, the reference's are computed once per planned step.
+        sapo_temperature_neg, sapo_temperature_pos: SAPO's gate temperatures (`loss_type="sapo"`).
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma weights (`loss_type="vespo"`).
         scorers: `TrainerScorer`s that add reward columns on the trainer (reward models, EBFT); their groups'
             advantages are computed here. An entry may be an instance, or an import path (`"pkg.mod.make_scorer"`)
             of an instance or of a factory called without arguments.
@@ -61,8 +105,9 @@ class GRPOModule(pl.LightningModule):
         val_max_tokens: tokens per greedy validation completion; default the data module's `max_completion_length`.
 
     Raises:
-        ValueError: a non-positive `learning_rate`, `epsilon` or `max_grad_norm`, a negative `warmup_steps`,
-            `scorer_weights` of the wrong length; in `setup`, a strategy whose gradients would not be synchronised.
+        ValueError: a non-positive `learning_rate` or `max_grad_norm`, a negative `warmup_steps`, `scorer_weights` of
+            the wrong length, an out-of-range loss option or a combination GRPOTrainer refuses (both named); in
+            `setup`, a strategy whose gradients would not be synchronised.
         TypeError: (in `setup`) a data module that is not a `RolloutSource` (or none).
 
     Example::
@@ -82,23 +127,63 @@ class GRPOModule(pl.LightningModule):
         max_grad_norm: float | None = 1.0,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
+        loss_type: LossType = "dapo",
+        importance_sampling_level: ImportanceSamplingLevel = "token",
+        delta: float | None = None,
+        beta: float = 0.0,
+        use_bias_correction_kl: bool = True,
+        sync_ref_model: bool = False,
+        ref_model_mixup_alpha: float = 0.6,
+        ref_model_sync_steps: int = 512,
+        vllm_importance_sampling_correction: bool = False,
+        vllm_importance_sampling_mode: ImportanceSamplingMode = "sequence_mask",
+        vllm_importance_sampling_clip_min: float | None = None,
+        vllm_importance_sampling_clip_max: float | None = 3.0,
+        vllm_importance_sampling_cap: float | None = None,
+        off_policy_mask_threshold: float | None = None,
+        top_entropy_quantile: float = 1.0,
+        entropy_coef: float = 0.0,
+        num_iterations: int = 1,
+        sapo_temperature_neg: float = 1.05,
+        sapo_temperature_pos: float = 1.0,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
         scorers: Sequence[Any] | None = None,
         scorer_weights: list[float] | None = None,
         dtype: Literal["float32", "bfloat16"] = "float32",
         val_max_tokens: int | None = None,
     ) -> None:
         super().__init__()
-        problems = [f"{k}={v}" for k, v in (("learning_rate", learning_rate), ("epsilon", epsilon)) if not v > 0]
+        problems = [f"learning_rate={learning_rate}"] if not learning_rate > 0 else []
         if warmup_steps < 0:
             problems.append(f"warmup_steps={warmup_steps}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             problems.append(f"max_grad_norm={max_grad_norm}")
         if problems:
             raise ValueError(
-                f"`GRPOModule({', '.join(problems)})`: learning_rate, epsilon and max_grad_norm must be "
-                "positive, warmup_steps at least 0."
+                f"`GRPOModule({', '.join(problems)})`: learning_rate and max_grad_norm must be positive, "
+                "warmup_steps at least 0."
             )
         self.save_hyperparameters(ignore=["model", "scorers"])
+        loss = {name: self.hparams[name] for name in LossOptions.__dataclass_fields__}
+        if vllm_importance_sampling_cap is not None:
+            warnings.warn(
+                "`GRPOModule(vllm_importance_sampling_cap=...)` is deprecated (as in TRL): use "
+                "`vllm_importance_sampling_clip_max`.",
+                FutureWarning,
+                stacklevel=2,
+            )
+            loss["vllm_importance_sampling_clip_max"] = vllm_importance_sampling_cap
+        self.loss_options = LossOptions(**loss)
+        check_options(
+            self.loss_options,
+            num_iterations=num_iterations,
+            sync_ref_model=sync_ref_model,
+            ref_model_mixup_alpha=ref_model_mixup_alpha,
+            ref_model_sync_steps=ref_model_sync_steps,
+        )
         self.model_name = model if isinstance(model, str) else None
         self.policy: Any = model if isinstance(model, torch.nn.Module) else None
         self.scorers = [_resolve_scorer(scorer) for scorer in scorers or []]
@@ -107,6 +192,7 @@ class GRPOModule(pl.LightningModule):
                 f"`GRPOModule(scorer_weights={scorer_weights})` needs one weight per scorer ({len(self.scorers)})."
             )
         self.automatic_optimization = False
+        self.reference: ReferencePolicy | None = None
         self.contract: RolloutContract | None = None
         self._step_started: float | None = None
         self._generate_attention: str | None = None
@@ -134,9 +220,13 @@ class GRPOModule(pl.LightningModule):
         if self._generate_attention is None:
             loaded = self.policy.config._attn_implementation
             self._generate_attention = loaded if loaded and not loaded.startswith("tree") else "sdpa"
+        if self.loss_options.beta != 0 and self.reference is None:
+            self.reference = ReferenceModel(self.policy)  # the initial policy, before a checkpoint is restored
         trainer = _trainer_of(self)
         if trainer is not None:
             shard_policy(self.policy, trainer.strategy)
+            if isinstance(self.reference, ReferenceModel):
+                self.reference.shard(trainer.strategy)
         for scorer in self.scorers:
             if isinstance(scorer, torch.nn.Module):
                 scorer.to(self.device)
@@ -194,6 +284,7 @@ class GRPOModule(pl.LightningModule):
             mask_truncated_completions=contract.mask_truncated_completions,
             progress=datamodule.progress,
             group=datamodule.process_group,
+            advantage_estimator=contract.advantage_estimator,
         )
         if scored is not None and scored.metrics:
             self.log_dict(scored.metrics, rank_zero_only=True, on_step=True, on_epoch=False)
@@ -202,49 +293,92 @@ class GRPOModule(pl.LightningModule):
         scorer_weights = self.hparams.scorer_weights or [1.0] * len(self.scorers)
         return [*self.contract.reward_weights, *scorer_weights]
 
+    def on_fit_start(self) -> None:
+        if isinstance(self.reference, ReferenceModel):
+            self.reference.to(self.device)
+
     def training_step(self, batch: StepBatch, batch_idx: int) -> None:
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
+        """`num_iterations` optimizer steps on this planned step (each: every micro-batch's forward and backward, the
+        gradient clip, the optimizer and the learning-rate schedule); stops early at `Trainer(max_steps=...)`."""
         started = time.perf_counter()
-        stats = LossStats.zeros()
-        total_loss = torch.zeros(())
-        last = len(batch.micro_batches) - 1
-        for i, micro_batch in enumerate(batch.micro_batches):
-            micro_batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
+        micro_batches = [
+            {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in mb.items()} for mb in batch.micro_batches
+        ]
+        context = self._loss_context(len(micro_batches))
+        if self.reference is not None:
+            for micro_batch in micro_batches:  # once per planned step, as GRPOTrainer does per generation
+                micro_batch["ref_log_probs"] = self.reference.logprobs(micro_batch, context)
+        stats, iterations = LossStats(), 0
+        for iteration in range(self.hparams.num_iterations):
+            stats = stats + self._optimizer_step(micro_batches, context, first=iteration == 0)
+            iterations += 1
+            self._sync_reference()
+            if _max_steps_reached(self.trainer):
+                break
+        self._log_step(batch, stats, iterations, fwd_bwd_s=time.perf_counter() - started)
+
+    def _loss_context(self, num_micro_batches: int) -> LossContext:
+        contract = self.contract
+        return LossContext(
+            temperature=contract.temperature,
+            top_k=contract.top_k,
+            top_p=contract.top_p,
+            max_completion_length=contract.max_completion_length,
+            world_size=self.trainer.world_size,
+            num_micro_batches=num_micro_batches,
+        )
+
+    def _optimizer_step(self, micro_batches: list[MicroBatch], context: LossContext, first: bool) -> LossStats:
+        optimizer = self.optimizers()
+        stats = LossStats()
+        last = len(micro_batches) - 1
+        for i, micro_batch in enumerate(micro_batches):
             with gradient_sync(self.trainer.strategy, self.policy, self.trainer.model, enabled=i == last):
-                loss, micro_stats = self._micro_batch_loss(micro_batch)
+                loss, micro_stats, logprobs = micro_batch_loss(self.policy, micro_batch, self.loss_options, context)
                 self.manual_backward(loss)
+            if first and self.hparams.num_iterations > 1:
+                micro_batch["proximal_log_probs"] = logprobs  # the later updates' anchor and mismatch reference
             stats = stats + micro_stats
-            total_loss += loss.detach().float().cpu()
         if self.hparams.max_grad_norm is not None:
             clip_gradient_norm(self, optimizer, self.hparams.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        self._log_step(batch, stats, total_loss, fwd_bwd_s=time.perf_counter() - started)
+        self.lr_schedulers().step()
+        return stats
 
-    def _micro_batch_loss(self, micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, LossStats]:
-        logprobs, entropy = packed_logprobs(self.policy, micro_batch, self.contract.temperature)
-        return grpo_loss(
-            logprobs,
-            micro_batch["old_log_probs"],
-            micro_batch["advantages"],
-            normalizer=micro_batch["step_trained_tokens"],
-            epsilon=self.hparams.epsilon,
-            epsilon_high=self.hparams.epsilon_high,
-            world_size=self.trainer.world_size,
-            segment_id=micro_batch["segment_id"],
-            entropy=entropy,
-        )
+    def _sync_reference(self) -> None:
+        """TR-DPO: after every `ref_model_sync_steps`-th optimizer step, as GRPOTrainer's `SyncRefModelCallback`."""
+        hp = self.hparams
+        if not hp.sync_ref_model or self.trainer.global_step % hp.ref_model_sync_steps:
+            return
+        from .weights.parameters import full_parameters
 
-    def _log_step(self, batch: StepBatch, stats: LossStats, loss: torch.Tensor, fwd_bwd_s: float) -> None:
+        with full_parameters(self.trainer.model):
+            self.reference.mix(self.policy, hp.ref_model_mixup_alpha)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Every rank: the reference model goes into the checkpoint once a TR-DPO mix made it differ from the initial
+        policy (before that, `configure_model` rebuilds it from the policy it loads)."""
+        if isinstance(self.reference, ReferenceModel) and self.reference.mixed:
+            checkpoint[REFERENCE_KEY] = self.reference.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get(REFERENCE_KEY)
+        if state is not None and isinstance(self.reference, ReferenceModel):
+            self.reference.load_state_dict(state)
+
+    def _log_step(self, batch: StepBatch, stats: LossStats, iterations: int, fwd_bwd_s: float) -> None:
         strategy = self.trainer.strategy
         sums = strategy.reduce(stats.sums(), reduce_op="sum")
-        extremes = stats.extremes().clone()
+        maxima = stats.maxima().clone()
         if self.trainer.world_size > 1 and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
-        metrics = LossStats.from_reduced(sums, extremes).metrics()
-        metrics["loss"] = float(strategy.reduce(loss, reduce_op="sum"))
+            torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
+        metrics = stats.from_reduced(sums, maxima).metrics()
+        for total in ("loss", "policy_loss"):  # the mean over this step's updates
+            if total in metrics:
+                metrics[total] /= iterations
+        if self.loss_options.entropy_coef != 0:
+            metrics["entropy_coef"] = self.loss_options.entropy_coef
         metrics["lr"] = self.optimizers().param_groups[0]["lr"]
         metrics["perf/fwd_bwd_s"] = fwd_bwd_s
         now = time.perf_counter()
@@ -297,6 +431,10 @@ def _is_number(value: Any) -> bool:
 
 def _nan_to_zero(values: Any) -> list[float]:
     return [0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in values]
+
+
+def _max_steps_reached(trainer: pl.Trainer) -> bool:
+    return trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
 
 
 def _trainer_of(module: pl.LightningModule) -> pl.Trainer | None:

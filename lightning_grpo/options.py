@@ -37,6 +37,15 @@ def validate_options(hp: Any) -> None:
         problems.append(f"trainer_threads={hp.trainer_threads!r} (a positive number of threads, 'auto' or None)")
     if hp.samples_per_row is not None and hp.samples_per_row < 1:
         problems.append(f"samples_per_row={hp.samples_per_row} (must be at least 1)")
+    if hp.advantage_estimator not in ("grpo", "rloo", "reinforce_plus_plus"):
+        problems.append(
+            f"advantage_estimator={hp.advantage_estimator!r} (one of 'grpo', 'rloo', 'reinforce_plus_plus')"
+        )
+    elif hp.advantage_estimator == "reinforce_plus_plus" and hp.scale_rewards != "batch":
+        problems.append(
+            f"advantage_estimator='reinforce_plus_plus' with scale_rewards={hp.scale_rewards!r} (REINFORCE++ "
+            "normalises over the batch: set scale_rewards='batch')"
+        )
     if hp.vllm_transfer not in ("auto", "http", "nccl"):
         problems.append(f"vllm_transfer={hp.vllm_transfer!r} (one of 'auto', 'http', 'nccl')")
     if problems:

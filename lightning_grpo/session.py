@@ -127,6 +127,7 @@ def _make_worker(options: SessionOptions, progress: RolloutProgress, *, generato
         reward_weights=hp.reward_weights,
         multi_objective_aggregation=hp.multi_objective_aggregation,
         scale_rewards=hp.scale_rewards,
+        advantage_estimator=hp.advantage_estimator,
         reward_num_workers=hp.reward_num_workers,
         reward_timeout=hp.reward_timeout,
         trainer_scored=trainer_scored,
@@ -165,6 +166,7 @@ LOOP_OPTION_NAMES = frozenset(
         "reward_weights",
         "multi_objective_aggregation",
         "scale_rewards",
+        "advantage_estimator",
         "reward_num_workers",
         "reward_timeout",
         "trainer_scored",
@@ -193,10 +195,13 @@ def _make_collator(options: SessionOptions, progress: RolloutProgress, scorers: 
     from ._trl import get_callable_name
 
     names = [get_callable_name(func) for func in options.reward_funcs]
+    hp = options.hparams
     kwargs = dict(
         num_processes=options.world_size,
         pad_token_id=options.tokenizer.pad_token_id or 0,
         reward_names=names,
+        scale_rewards=hp.scale_rewards,
+        advantage_estimator=hp.advantage_estimator,
     )
     if not scorers:
         from .pipeline.collating import ProgressCollator

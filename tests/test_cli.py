@@ -153,3 +153,17 @@ def test_validate_subcommand_scores_the_held_out_prompts(in_process, no_leaked_p
     metrics = done.trainer.callback_metrics
     assert {"val/reward", "val/rewards/numeric_closeness", "val/rewards/accuracy"} <= set(metrics)
     assert 0 <= float(metrics["val/reward"]) <= 2
+
+
+@pytest.mark.timeout(120)
+def test_main_job_takes_the_loss_options_from_the_command_line(capsys, in_process):
+    """`./scripts/main.sh --model.loss_type dr_grpo --model.beta 0.04` (the main job passes its arguments to this
+    command with its config): the options reach GRPOModule; a value TRL does not have exits 2 naming it."""
+    built = cli(["--config", MAIN_JOB, "--model.loss_type", "dr_grpo", "--model.beta", "0.04"], run=False)
+    options = built.model.loss_options
+    assert options.loss_type == "dr_grpo" and options.beta == 0.04
+    built = cli(["--config", MAIN_JOB, "--model.num_iterations", "2", "--data.advantage_estimator", "rloo"], run=False)
+    assert built.model.hparams.num_iterations == 2 and built.datamodule.hparams.advantage_estimator == "rloo"
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["--config", MAIN_JOB, "--model.loss_type", "ppo"], run=False)
+    assert exit_info.value.code == 2 and "loss_type" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """GRPO loss on packed rows: equal to a naive per-sample computation (value and gradient), a true token mean over
-ranks and micro-batches, masked terms left out, and TRL's metrics."""
+ranks and micro-batches, masked terms left out, TRL's metrics, and the sampler's truncation on the trainer side."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from packed_rows import micro_batch, reference_logprobs, shared_prompt_group
 
-from lightning_grpo.loss import LossStats, grpo_loss, packed_logprobs
+from lightning_grpo.loss import grpo_loss, packed_logprobs
 from lightning_grpo.models import tiny_llama
 
 EPS, EPS_HIGH, TEMPERATURE = 0.2, 0.28, 0.8
@@ -67,11 +67,11 @@ def test_packed_loss_and_gradient_equal_naive_per_sample_reference():
     expected.backward()
 
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
-    assert 0 < stats.region_clip_sum < stats.count  # the comparison covers clipped and unclipped terms
+    assert 0 < stats.metrics()["clip_ratio/region_mean"] < 1  # the comparison covers clipped and unclipped terms
     for (name, got), ref in zip(packed_model.named_parameters(), reference_model.parameters(), strict=True):
         assert torch.allclose(got.grad, ref.grad, atol=1e-6, rtol=1e-4), name
     _, ref_entropy = reference_logprobs(reference_model, samples, TEMPERATURE)
-    assert stats.entropy_sum.item() == pytest.approx(ref_entropy.sum().item(), rel=1e-5)
+    assert stats.metrics()["entropy"] == pytest.approx(ref_entropy.mean().item(), rel=1e-5)
 
 
 def test_rank_and_micro_batch_split_with_ddp_averaging_gives_the_step_token_mean():
@@ -110,7 +110,7 @@ def test_nan_advantage_terms_contribute_nothing_and_are_not_counted():
     assert loss.item() == pytest.approx(expected.item())
     assert torch.isfinite(logprobs.grad).all()
     assert logprobs.grad[1] == 0 and logprobs.grad[3] == 0
-    assert stats.count.item() == 2
+    assert stats.count("ratio") == 2
 
 
 def test_stats_match_hand_computation_and_merge_exactly():
@@ -121,19 +121,24 @@ def test_stats_match_hand_computation_and_merge_exactly():
     _, stats = grpo_loss(logprobs, torch.zeros(5), adv, normalizer=5, epsilon=0.2, segment_id=segment)
     metrics = stats.metrics()
     assert metrics["ratio"] == pytest.approx(ratios.mean().item())
-    assert metrics["kl"] == pytest.approx((ratios - 1 - torch.log(ratios)).mean().item())
     assert metrics["clip_ratio/low_mean"] == pytest.approx(1 / 5)  # 0.5 with A < 0; 0.7 has A > 0
     assert metrics["clip_ratio/high_mean"] == pytest.approx(1 / 5)  # 1.5 with A > 0; 1.3 has A < 0
     assert metrics["clip_ratio/region_mean"] == pytest.approx(2 / 5)
     assert metrics["clip_ratio/low_min"] == pytest.approx(0.0)  # completion 1 has no low-clipped term
     assert metrics["clip_ratio/high_max"] == pytest.approx(1 / 3)  # completion 1: one of three terms
+    difference = logprobs.abs()  # the generator's log-probabilities are 0 here
+    assert metrics["sampling/sampling_logp_difference/mean"] == pytest.approx(difference.mean().item())
+    assert metrics["sampling/sampling_logp_difference/max"] == pytest.approx(difference.max().item())
+    assert metrics["loss"] == pytest.approx(grpo_loss(logprobs, torch.zeros(5), adv, normalizer=5)[0].item())
+    assert "kl" not in metrics  # the KL is to a reference model, which needs beta > 0
 
     first = grpo_loss(logprobs[:2], torch.zeros(2), adv[:2], normalizer=5, segment_id=segment[:2])[1]
     second = grpo_loss(logprobs[2:], torch.zeros(3), adv[2:], normalizer=5, segment_id=segment[2:] - 1)[1]
     merged = first + second
     assert merged.metrics() == pytest.approx(metrics)
-    assert LossStats.from_reduced(merged.sums(), merged.extremes()).metrics() == pytest.approx(metrics)
-    assert all(math.isnan(v) for v in LossStats.zeros().metrics().values())
+    assert merged.from_reduced(merged.sums(), merged.maxima()).metrics() == pytest.approx(metrics)
+    empty = grpo_loss(logprobs[:0], torch.zeros(0), adv[:0], normalizer=0, segment_id=segment[:0])[1].metrics()
+    assert empty["loss"] == 0 and all(math.isnan(v) for k, v in empty.items() if k != "loss")
 
 
 def test_epsilon_high_widens_only_the_upper_clip():
@@ -155,7 +160,7 @@ def test_micro_batch_with_every_term_masked_still_backpropagates_to_every_parame
     logprobs, _ = packed_logprobs(model, mb)
     loss, stats = grpo_loss(logprobs, mb["old_log_probs"], mb["advantages"], normalizer=0, world_size=2)
     loss.backward()
-    assert loss.item() == 0.0 and stats.count.item() == 0
+    assert loss.item() == 0.0 and stats.count("ratio") == 0
     # DDP all-reduces every parameter's gradient: a rank with nothing to train must still produce them
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
@@ -164,3 +169,37 @@ def test_non_positive_temperature_is_rejected():
     mb = micro_batch(shared_prompt_group(4, [2], seed=0))
     with pytest.raises(ValueError, match="temperature=0"):
         packed_logprobs(tiny_llama(0), mb, temperature=0)
+
+
+def test_under_top_k_and_top_p_the_trainer_scores_the_samplers_truncated_distribution():
+    """The generator reports log-probabilities of the truncated, renormalised distribution (`process_logits`); the
+    trainer computes the same, and its entropy is that distribution's, with a finite gradient."""
+    from lightning_grpo.rollout.sampling import process_logits
+
+    model = tiny_llama(0)
+    samples = shared_prompt_group(5, [4, 6], seed=3)
+    mb = micro_batch(samples)
+    logprobs, entropy = packed_logprobs(model, mb, TEMPERATURE, top_k=30, top_p=0.8, entropy_grad=True)
+    full, _ = packed_logprobs(tiny_llama(0), mb, TEMPERATURE)
+    assert (logprobs > full).all()  # renormalised over fewer tokens
+    scores = _packed_logits(tiny_llama(0), mb) / TEMPERATURE
+    expected = process_logits(scores, 1.0, 30, 0.8)
+    labels = mb["shift_labels"][mb["token_index"]]
+    kept = torch.isfinite(expected.gather(1, labels[:, None]).squeeze(1))
+    # some labels fall outside this random model's set: they stay in the trainer's (a finite log-probability)
+    assert kept.any() and (~kept).any() and torch.isfinite(logprobs).all()
+    torch.testing.assert_close(logprobs[kept], expected.gather(1, labels[:, None]).squeeze(1)[kept])
+    probs = expected.exp()
+    torch.testing.assert_close(
+        entropy[kept], -(probs * expected.masked_fill(probs == 0, 0)).sum(-1)[kept], rtol=1e-5, atol=1e-6
+    )
+    (logprobs.sum() + entropy.sum()).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def _packed_logits(model, mb) -> torch.Tensor:
+    from lightning_grpo.attention import tree_model_kwargs, use_tree_attention
+
+    use_tree_attention(model)
+    with torch.no_grad():
+        return model(**tree_model_kwargs(mb), logits_to_keep=mb["token_index"], use_cache=False).logits[0].float()

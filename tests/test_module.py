@@ -60,7 +60,7 @@ def test_tiny_run_logs_trl_metric_names_with_sane_values(tmp_path, no_leaked_pro
         "reward_std",
         "rewards/char_sum_reward",
         "ratio",
-        "kl",
+        "sampling/sampling_logp_difference/mean",
         "entropy",
         "clip_ratio/region_mean",
         "sample/staleness_mean",
@@ -73,7 +73,8 @@ def test_tiny_run_logs_trl_metric_names_with_sane_values(tmp_path, no_leaked_pro
     ):
         assert name in last, f"{name} not logged; logged: {sorted(last)}"
     assert 0 <= last["reward"] <= 1 and last["reward_std"] >= 0
-    assert 0.5 < last["ratio"] < 2 and last["kl"] >= -1e-6 and last["entropy"] > 0
+    assert 0.5 < last["ratio"] < 2 and last["sampling/sampling_logp_difference/mean"] >= 0 and last["entropy"] > 0
+    assert "kl" not in last  # the KL to a reference model, logged with beta > 0
     assert 0 <= last["clip_ratio/region_mean"] <= 1 and last["sample/staleness_mean"] >= 0
     assert last["batch/packing_ratio"] >= 1 and metrics["rollout/generated_tok_s"].max() > 0
     # One training row per optimizer step: the stop batch, which trains nothing, adds no copy of the last one.

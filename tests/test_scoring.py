@@ -54,9 +54,11 @@ def terms_by_uid(micro_batches) -> dict[int, tuple[list[float], int]]:
     return {uid: (sorted(set(advs)), len(advs)) for uid, advs in found.items()}
 
 
-def run_ranks(world_size: int, workdir, timeout: float) -> None:
-    """Run `run_score_step_rank` in `world_size` fresh processes (own sessions, killed as groups on the way out)."""
-    code = "import sys; from packed_rows import run_score_step_rank as r; r(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])"
+def run_ranks(world_size: int, workdir, timeout: float, target: str = "packed_rows:run_score_step_rank") -> None:
+    """Run `target(rank, world_size, workdir)` (`module:function` of tests/) in `world_size` fresh processes (own
+    sessions, killed as groups on the way out)."""
+    module, function = target.split(":")
+    code = f"import sys; from {module} import {function} as r; r(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     procs = []
     try:

@@ -1,72 +1,33 @@
 """Sharded training: FSDP2 under `ModelParallelStrategy` on 2 CPU processes (gloo) trains one policy, equal to a
-1-process run on the same steps, keeps the generator on the trained weights, ends by itself and resumes; strategies
-that would not synchronise gradients are refused at start-up.
+1-process run on the same steps (with a reference model, sharded, mixed by TR-DPO and resumed from the checkpoint),
+keeps the generator on the trained weights, ends by itself and resumes; strategies that would not synchronise
+gradients are refused at start-up.
 
 The 2-process runs are `tests/scripts/fit_tiny.py` in their own process session (see `test_fit_processes.py`); the
 1-process run replays their recorded micro-batches through a real `Trainer.fit` of `GRPOModule`, fed by
-`ReplaySource`, a second implementation of `lightning_grpo.RolloutSource`.
+`ReplaySource` (tests/replay.py), a second implementation of `lightning_grpo.RolloutSource`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
+from replay import ReplaySource, fit_replay, tiny_contract
 from test_fit_processes import all_groups, run_fit
-from test_weight_sync import RecordingTransfer
-from tiny_fits import cpu_trainer
-from torch.utils.data import DataLoader
 
-from lightning_grpo import GRPOModule, RolloutContract, RolloutSource
-from lightning_grpo.models import char_tokenizer
+from lightning_grpo import GRPOModule, RolloutSource
 from lightning_grpo.pipeline.batch import StepBatch
 from lightning_grpo.sharding import check_strategy
 from lightning_grpo.weights.parameters import generator_parameters
-from lightning_grpo.weights.sync import WeightSync
 
-FSDP2 = ("--devices", "2", "--strategy", "fsdp2", "--max-staleness", "0", "--record", "--prompts", "8")
-
-
-class ReplaySource(pl.LightningDataModule):
-    """Replays recorded steps to `GRPOModule` on one process: the whole `RolloutSource` protocol, nothing spawned."""
-
-    def __init__(self, steps: list[StepBatch], contract: RolloutContract) -> None:
-        super().__init__()
-        self.steps = steps
-        self.contract = contract
-        self.transfer = RecordingTransfer()
-        self.weight_sync = WeightSync(self.transfer)
-        self.progress = None
-        self.process_group = None
-        self.finished: list[list[int]] = []
-        self._stop: StepBatch | None = None
-
-    def rollout_contract(self) -> RolloutContract:
-        return self.contract
-
-    def train_dataloader(self) -> DataLoader:
-        self.weight_sync.push(self.trainer.lightning_module.policy)
-        return DataLoader(self.steps, batch_size=None, collate_fn=lambda step: step)
-
-    def finish_step(self, batch: StepBatch, *, look_ahead: bool) -> StepBatch | None:
-        self.finished.append(batch.group_ids)
-        if look_ahead and len(self.finished) == len(self.steps):
-            self._stop = StepBatch.stop_item()
-        return self._stop
-
-    def stream_stop(self) -> StepBatch | None:
-        return self._stop
-
-    def rollout_metrics(self) -> dict[str, float]:
-        return {}
-
-    def progress_summary(self) -> None:
-        return None
-
-    def score_completions(self, completions, rows):
-        raise AssertionError("the replay has no validation")
+# with a reference model mixed every step (TR-DPO): sharded like the policy, mixed shard by shard, checkpointed
+REFERENCE = {"beta": 0.04, "sync_ref_model": True, "ref_model_sync_steps": 1}
+FSDP2 = (
+    *("--devices", "2", "--strategy", "fsdp2", "--max-staleness", "0", "--record", "--prompts", "8"),
+    *("--beta", str(REFERENCE["beta"]), "--ref-sync-steps", str(REFERENCE["ref_model_sync_steps"])),
+)
 
 
 def one_process_steps(run_dirs: list[Path]) -> list[StepBatch]:
@@ -82,21 +43,8 @@ def one_process_steps(run_dirs: list[Path]) -> list[StepBatch]:
 
 def replay(steps: list[StepBatch]) -> tuple[dict[str, torch.Tensor], ReplaySource]:
     """The weights after training fit_tiny.py's module on `steps` in one process (same options, same initial weights)."""
-    contract = RolloutContract(
-        tokenizer=char_tokenizer(),
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        max_completion_length=8,
-        reward_names=("char_sum_reward",),
-        reward_weights=(1.0,),
-        multi_objective_aggregation="sum_then_normalize",
-        scale_rewards="group",
-        mask_truncated_completions=False,
-    )
-    source = ReplaySource(steps, contract)
-    module = GRPOModule("tiny-random", learning_rate=1e-3)
-    cpu_trainer().fit(module, datamodule=source)
+    module = GRPOModule("tiny-random", learning_rate=1e-3, **REFERENCE)
+    source = fit_replay(module, steps, tiny_contract())
     return dict(generator_parameters(module.policy)), source
 
 

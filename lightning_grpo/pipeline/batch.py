@@ -18,7 +18,10 @@ terms, `R` samples in the row, `C` rollout reward columns):
   (R) float32 (NaN while trainer scoring is pending).
 - `rollout_rewards` (R, C) float32: the rollout-side reward columns of each sample (NaN = not scored).
 - `step_trained_tokens` () float32: loss terms of the whole optimizer step over all ranks and micro-batches, the
-  loss normalizer (a true token mean per optimizer step). `score_step` rewrites it when it masks samples.
+  token-mean loss normalizer (`dapo`, `bnpo`, `cispo`, `vespo`). `score_step` rewrites it when it masks samples.
+- `step_sequences` () float32: samples with at least one loss term in the whole optimizer step over all ranks and
+  micro-batches, the sequence-mean normalizer (`grpo`, `sapo`, `luspo`; times `max_completion_length` for
+  `dr_grpo`). `score_step` rewrites it too.
 - scorer inputs, under keys prefixed `s{index}_` (see `TrainerScorer.collate`).
 """
 
@@ -32,6 +35,22 @@ import torch
 from ..rollout.records import RolloutSample
 
 MicroBatch = dict[str, torch.Tensor]
+
+
+def set_step_normalizers(micro_batches: list[MicroBatch]) -> None:
+    """Write `step_trained_tokens` and `step_sequences` of the step these are all the micro-batches of (every rank's)
+    into each of them."""
+    tokens = sum(mb["token_index"].numel() for mb in micro_batches)
+    sequences = sum(int((torch.bincount(mb["segment_id"].long().cpu()) > 0).sum()) for mb in micro_batches)
+    for mb in micro_batches:
+        write_step_normalizers(mb, tokens=tokens, sequences=sequences)
+
+
+def write_step_normalizers(micro_batch: MicroBatch, *, tokens: float, sequences: float) -> None:
+    """Set one micro-batch's step normalizers (float32 scalars on its device)."""
+    device = micro_batch["token_index"].device
+    micro_batch["step_trained_tokens"] = torch.tensor(float(tokens), dtype=torch.float32, device=device)
+    micro_batch["step_sequences"] = torch.tensor(float(sequences), dtype=torch.float32, device=device)
 
 
 @dataclass

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ..rollout.records import RolloutSample
-from .batch import MicroBatch, StepBatch
+from ..rollout.advantages import batch_advantages
+from ..rollout.records import LEARNING_SIGNAL, RolloutSample
+from .batch import MicroBatch, StepBatch, set_step_normalizers
 from .ledger import RolloutProgress, RolloutStop
 from .stopping import describe_failure
 
@@ -26,10 +28,16 @@ class ProgressCollator:
 
     Turns one `StepPlan` into `num_processes` `StepBatch`es: rank r gets row r of each micro-batch, packed with
     `ScoredRow.pack()` plus the keys documented in `lightning_grpo.pipeline.batch` (`sample_uid`, `sample_group_id`,
-    `sample_truncated`, `sample_trained_tokens`, `rollout_rewards`, `step_trained_tokens`). Rank 0's batch also
-    carries the step's samples and metrics. A `RolloutStop` item becomes `num_processes` stop items. Reports the
-    step's groups to `progress`: `train` for scored groups, `hold` for pending ones. An exception while collating a
-    plan becomes a stop item with the error, like `StopAwareDataset` does.
+    `sample_truncated`, `sample_trained_tokens`, `rollout_rewards`, and the step's loss normalizers
+    `step_trained_tokens` and `step_sequences`). Rank 0's batch also carries the step's samples and metrics. A
+    `RolloutStop` item becomes `num_processes` stop items. Reports the step's groups to `progress`: `train` for
+    scored groups, `hold` for pending ones. An exception while collating a plan becomes a stop item with the error,
+    like `StopAwareDataset` does.
+
+    With `scale_rewards="batch"`, the step is the batch: the scored groups' advantages (group-centred by the rollout
+    loop, with their learning signal in `extras[LEARNING_SIGNAL]`) are scaled by one standard deviation over the
+    step (`batch_advantages`) before packing, in the micro-batches and in the step's `RolloutSample`s. Pending
+    groups are left to `score_step`, which does the same for them.
 
     Subclasses add keys by overriding `collate_micro_batch` (all rows of one micro-batch) or `collate_row`.
 
@@ -38,6 +46,8 @@ class ProgressCollator:
         num_processes: ranks.
         pad_token_id: for subclasses that pad (scorer inputs); rows themselves are never padded across ranks.
         reward_names: rollout reward columns, read from `sample.metrics["rewards/<name>"]` (NaN when absent).
+        scale_rewards: the data module's `scale_rewards`; `"batch"` scales advantages over each step.
+        advantage_estimator: the data module's `advantage_estimator` (see `batch_advantages`).
     """
 
     def __init__(
@@ -47,6 +57,8 @@ class ProgressCollator:
         num_processes: int,
         pad_token_id: int = 0,
         reward_names: Sequence[str] = (),
+        scale_rewards: str = "group",
+        advantage_estimator: str = "grpo",
     ) -> None:
         if num_processes < 1:
             raise ValueError(f"`ProgressCollator(num_processes={num_processes})` must be at least 1.")
@@ -54,6 +66,8 @@ class ProgressCollator:
         self.num_processes = num_processes
         self.pad_token_id = pad_token_id
         self.reward_names = list(reward_names)
+        self.scale_rewards = scale_rewards
+        self.advantage_estimator = advantage_estimator
 
     def __call__(self, item: StepPlan | RolloutStop) -> list[StepBatch]:
         if isinstance(item, RolloutStop):
@@ -70,6 +84,8 @@ class ProgressCollator:
         return batches
 
     def _collate(self, plan: StepPlan) -> list[StepBatch]:
+        if self.scale_rewards == "batch":
+            self._scale_over_step(plan)
         per_rank: list[list[MicroBatch]] = [[] for _ in range(self.num_processes)]
         for rows in plan.micro_batches:
             if len(rows) != self.num_processes:
@@ -79,9 +95,7 @@ class ProgressCollator:
                 )
             for rank, micro_batch in enumerate(self.collate_micro_batch(rows)):
                 per_rank[rank].append(micro_batch)
-        total = float(sum(mb["token_index"].numel() for rank in per_rank for mb in rank))
-        for micro_batch in (mb for rank in per_rank for mb in rank):
-            micro_batch["step_trained_tokens"] = torch.tensor(total, dtype=torch.float32)
+        set_step_normalizers([mb for rank in per_rank for mb in rank])
         batches = [
             StepBatch(micro_batches=per_rank[r], group_ids=list(plan.group_ids), reward_names=list(self.reward_names))
             for r in range(self.num_processes)
@@ -89,6 +103,32 @@ class ProgressCollator:
         batches[0].samples = list(plan.samples)
         batches[0].metrics = {**plan.metrics, **self.sample_metrics(plan.samples)}
         return batches
+
+    def _scale_over_step(self, plan: StepPlan) -> None:
+        """Scale the step's scored groups' advantages by the batch form (see the class doc), in place."""
+        pending = set(plan.pending_group_ids)
+        groups: dict[int, list[dict]] = defaultdict(list)
+        for row in plan.rows:
+            for d in row.samples:
+                if d["uid"] >= 0 and d["group_id"] not in pending:
+                    groups[d["group_id"]].append(d)
+        if not groups:
+            return
+        missing = [
+            d["group_id"] for dicts in groups.values() for d in dicts if LEARNING_SIGNAL not in d["sample"].extras
+        ]
+        if missing:
+            raise ValueError(
+                f"`scale_rewards='batch'` needs each sample's learning signal in `extras[{LEARNING_SIGNAL!r}]`, which "
+                f"the samples of groups {sorted(set(missing))[:10]} lack: a GRPORolloutLoop built with "
+                "`scale_rewards='batch'` sets it."
+            )
+        signals = [np.array([d["sample"].extras[LEARNING_SIGNAL] for d in dicts]) for dicts in groups.values()]
+        centred = [np.array([d["advantage"] for d in dicts]) for dicts in groups.values()]
+        scaled = batch_advantages(signals, centred, self.advantage_estimator)
+        for dicts, advantages in zip(groups.values(), scaled, strict=True):
+            for d, advantage in zip(dicts, advantages.tolist(), strict=True):
+                d["advantage"] = d["sample"].advantage = advantage
 
     def collate_micro_batch(self, rows: list[ScoredRow]) -> list[MicroBatch]:
         """One packed dict per rank for one micro-batch (`rows[r]` is rank r's)."""

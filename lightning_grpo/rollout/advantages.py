@@ -1,13 +1,15 @@
-"""GRPO group advantages from a group's reward columns."""
+"""GRPO group advantages from a group's reward columns, and their batch form (`scale_rewards="batch"`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 import numpy as np
 
 Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 ScaleRewards = Literal["group", "batch", "none"]
+AdvantageEstimator = Literal["grpo", "rloo", "reinforce_plus_plus"]
 
 #: Added to a standard deviation before dividing by it, as TRL's GRPOTrainer does.
 STD_EPSILON = 1e-4
@@ -20,6 +22,7 @@ def compute_group_advantages(
     scale_rewards: ScaleRewards = "group",
     *,
     batch_std: float | None = None,
+    estimator: AdvantageEstimator = "grpo",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Return the weighted rewards and the advantages of one prompt group.
 
@@ -37,6 +40,10 @@ def compute_group_advantages(
         scale_rewards: `"group"` divides the centred signal by the group's std, `"none"` only centres, `"batch"`
             divides by `batch_std`, which the caller computes over a whole batch of groups.
         batch_std: the batch's std of the learning signal; required with `scale_rewards="batch"`, else ignored.
+            `batch_advantages` computes the batch form from each group's centred signal (`scale_rewards="none"`).
+        estimator: the baseline subtracted from the learning signal: `"grpo"` (and `"reinforce_plus_plus"`, whose
+            batch normalisation `batch_advantages` applies) the group's mean; `"rloo"` the mean of the group's other
+            scored completions (TRL's `RLOOTrainer`), `n / (n - 1)` times the centred signal of `n` scored ones.
 
     Returns:
         `(rewards, advantages)`, each `(group_size,)`. `rewards` is the weighted NaN-sum, for logging. A completion
@@ -46,26 +53,78 @@ def compute_group_advantages(
 
     Raises:
         ValueError: on a shape that is not `(num_funcs, group_size)`, a weights length that does not match, an
-            unknown `aggregation` or `scale_rewards`, or `scale_rewards="batch"` without a valid `batch_std`.
+            unknown `aggregation`, `scale_rewards` or `estimator`, or `scale_rewards="batch"` without a valid
+            `batch_std`.
     """
+    if estimator not in get_args(AdvantageEstimator):
+        raise ValueError(f"`estimator={estimator!r}` is not one of {list(get_args(AdvantageEstimator))}.")
     rewards_per_func, weights = _validated(rewards_per_func, reward_weights, aggregation, scale_rewards, batch_std)
     scored = ~np.all(np.isnan(rewards_per_func), axis=0)
     rewards = _weighted_nansum(rewards_per_func, weights, scored)
-    if aggregation == "normalize_then_sum":
-        signal = _weighted_nansum(np.stack([_zscore(row) for row in rewards_per_func]), weights, scored)
-    else:
-        signal = rewards
+    signal = _signal(rewards_per_func, weights, aggregation, scored, rewards)
     advantages = np.zeros_like(rewards)
     values = signal[scored]
     if values.size == 0 or np.all(values == values[0]):
         return rewards, advantages
-    centred = values - values.mean()
+    baseline = (values.sum() - values) / (values.size - 1) if estimator == "rloo" else values.mean()
+    centred = values - baseline
     if scale_rewards == "group":
         centred = centred / (values.std(ddof=1) + STD_EPSILON)
     elif scale_rewards == "batch":
         centred = centred / (batch_std + STD_EPSILON)
     advantages[scored] = centred
     return rewards, advantages
+
+
+def learning_signal(
+    rewards_per_func: np.ndarray, reward_weights: np.ndarray, aggregation: Aggregation = "sum_then_normalize"
+) -> np.ndarray:
+    """`(group_size,)` what `compute_group_advantages` centres and scales: the weighted NaN-sum of the rewards, or
+    (`normalize_then_sum`) of each function's z-scores within the group; NaN where no function scored."""
+    rewards_per_func, weights = _validated(rewards_per_func, reward_weights, aggregation, "none", None)
+    scored = ~np.all(np.isnan(rewards_per_func), axis=0)
+    return _signal(rewards_per_func, weights, aggregation, scored, _weighted_nansum(rewards_per_func, weights, scored))
+
+
+def batch_advantages(
+    signals: Sequence[np.ndarray], centred: Sequence[np.ndarray], estimator: AdvantageEstimator = "grpo"
+) -> list[np.ndarray]:
+    """The advantages of a batch of groups under `scale_rewards="batch"`: each group's centred signal divided by one
+    standard deviation over the whole batch (Bessel-corrected, over the scored completions, plus `STD_EPSILON`).
+
+    That deviation is the learning signal's (`learning_signal`), as GRPOTrainer's `scale_rewards="batch"` takes it:
+    of the weighted rewards, or for `normalize_then_sum` of the summed z-scores, whose batch mean GRPOTrainer
+    subtracts and which is exactly the group mean here (each function's z-scores sum to 0 over the completions it
+    scored, so their weighted sum does too). With `estimator="reinforce_plus_plus"` it is the deviation of the
+    group-centred advantages themselves, REINFORCE++-baseline's global normalisation (Hu et al. 2025). Zeros stay
+    exactly zero: a completion no function scored, and a group with a constant signal.
+
+    Args:
+        signals: per group, `(group_size,)` its `learning_signal` (NaN = not scored).
+        centred: per group, `(group_size,)` its advantages with `scale_rewards="none"` (the same estimator).
+        estimator: see `compute_group_advantages`.
+
+    Returns:
+        Per group, `(group_size,)` its advantages.
+    """
+    if estimator not in get_args(AdvantageEstimator):
+        raise ValueError(f"`estimator={estimator!r}` is not one of {list(get_args(AdvantageEstimator))}.")
+    spread = centred if estimator == "reinforce_plus_plus" else signals
+    scored = [
+        np.asarray(values, dtype=np.float64)[~np.isnan(np.asarray(signal, dtype=np.float64))]
+        for values, signal in zip(spread, signals, strict=True)
+    ]
+    values = np.concatenate(scored) if scored else np.zeros(0)
+    std = float(values.std(ddof=1)) if values.size > 1 else 0.0
+    return [np.asarray(group, dtype=np.float64) / (std + STD_EPSILON) for group in centred]
+
+
+def _signal(
+    rewards_per_func: np.ndarray, weights: np.ndarray, aggregation: str, scored: np.ndarray, rewards: np.ndarray
+) -> np.ndarray:
+    if aggregation == "normalize_then_sum":
+        return _weighted_nansum(np.stack([_zscore(row) for row in rewards_per_func]), weights, scored)
+    return rewards
 
 
 def _weighted_nansum(columns: np.ndarray, weights: np.ndarray, scored: np.ndarray) -> np.ndarray:

@@ -30,8 +30,8 @@ from .._trl import (
     is_async_callable,
 )
 from ..data import as_messages
-from .advantages import compute_group_advantages
-from .records import SCORE_PAYLOAD, RolloutSample
+from .advantages import compute_group_advantages, learning_signal
+from .records import LEARNING_SIGNAL, SCORE_PAYLOAD, RolloutSample
 from .reward_pool import RewardProcessPool
 from .schedule import GroupSchedule
 from .vllm_requests import VLLMRequests
@@ -88,8 +88,12 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         reward_weights: one weight per reward column (reward functions, environment columns, rollout column).
             Default: all 1.
         multi_objective_aggregation: `"sum_then_normalize"` or `"normalize_then_sum"` (GDPO).
-        scale_rewards: `"group"`, `"batch"` or `"none"` (see `compute_group_advantages`; `"batch"` is applied by the
-            trainer, so here it centres only).
+        scale_rewards: `"group"`, `"batch"` or `"none"` (see `compute_group_advantages`). `"batch"` is applied by the
+            trainer over each optimizer step: here a sample's advantage is the group-centred signal and
+            `extras[LEARNING_SIGNAL]` the signal itself (`learning_signal`), which the collator scales
+            (`batch_advantages`).
+        advantage_estimator: the baseline, `"grpo"`, `"rloo"` or `"reinforce_plus_plus"` (see
+            `compute_group_advantages`).
         reward_num_workers: processes in the reward pool; 0 runs synchronous rewards in threads.
         trainer_scored: leave advantages pending for trainer scorers.
         reward_timeout: wall-clock seconds one reward call may take before it scores NaN.
@@ -116,6 +120,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         reward_weights: Iterable[float] | None = None,
         multi_objective_aggregation: str = "sum_then_normalize",
         scale_rewards: str = "group",
+        advantage_estimator: str = "grpo",
         reward_num_workers: int = 1,
         trainer_scored: bool = False,
         reward_timeout: float = 60.0,
@@ -137,9 +142,15 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
             self.reward_func_names.append(self._rollout_reward_name)
         self._weights = self._validated_weights(reward_weights)
         self._aggregation = multi_objective_aggregation
-        self._scale_rewards = "none" if scale_rewards == "batch" else scale_rewards
+        self._batch_scaled = scale_rewards == "batch"
+        self._scale_rewards = "none" if self._batch_scaled else scale_rewards
+        self._estimator = advantage_estimator
         compute_group_advantages(
-            np.zeros((len(self._weights), 2)), self._weights, multi_objective_aggregation, self._scale_rewards
+            np.zeros((len(self._weights), 2)),
+            self._weights,
+            multi_objective_aggregation,
+            self._scale_rewards,
+            estimator=advantage_estimator,
         )  # fail at start-up on a bad option, not on the first group
         self._trainer_scored = trainer_scored
         self._reward_timeout = reward_timeout
@@ -370,11 +381,14 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
 
     async def _score_group(self, group: RolloutGroup) -> list[RolloutSample]:
         columns = await self._reward_columns(group)
-        rewards, advantages = compute_group_advantages(columns, self._weights, self._aggregation, self._scale_rewards)
+        rewards, advantages = compute_group_advantages(
+            columns, self._weights, self._aggregation, self._scale_rewards, estimator=self._estimator
+        )
         if self._trainer_scored:
             advantages = np.full_like(advantages, np.nan)
+        signal = learning_signal(columns, self._weights, self._aggregation) if self._batch_scaled else None
         self._push_pool_stats()
-        return self._samples(group, columns, rewards, advantages)
+        return self._samples(group, columns, rewards, advantages, signal)
 
     async def _reward_columns(self, group: RolloutGroup) -> np.ndarray:
         kwargs = dict(
@@ -433,7 +447,12 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         return {}
 
     def _samples(
-        self, group: RolloutGroup, columns: np.ndarray, rewards: np.ndarray, advantages: np.ndarray
+        self,
+        group: RolloutGroup,
+        columns: np.ndarray,
+        rewards: np.ndarray,
+        advantages: np.ndarray,
+        signal: np.ndarray | None = None,
     ) -> list[RolloutSample]:
         scored = rewards[~np.isnan(rewards)]
         reward_std = float(scored.std(ddof=1)) if scored.size > 1 else (0.0 if scored.size else float("nan"))
@@ -456,6 +475,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
                 **{f"rewards/{name}": float(columns[j, i]) for j, name in enumerate(self.reward_func_names)},
             }
             truncated = not completion_ids or completion_ids[-1] not in eos
+            sample_extras = extras if signal is None else {**extras, LEARNING_SIGNAL: float(signal[i])}
             for sequence in sequences:
                 samples.append(
                     RolloutSample(
@@ -470,7 +490,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
                         metrics=dict(metrics),
                         truncated=truncated,
                         group_rows=rows,
-                        extras=dict(extras),
+                        extras=dict(sample_extras),
                     )
                 )
         return samples

@@ -15,6 +15,9 @@ Messages = list[dict[str, Any]]
 
 #: Key in `RolloutSample.extras` of the payload a trainer-scored group carries (see `GRPORolloutLoop`).
 SCORE_PAYLOAD = "score_payload"
+#: Key in `RolloutSample.extras` of the sample's learning signal under `scale_rewards="batch"`, which the trainer
+#: scales over the optimizer step (`lightning_grpo.rollout.advantages.batch_advantages`).
+LEARNING_SIGNAL = "learning_signal"
 
 
 @dataclass(slots=True)
@@ -33,7 +36,8 @@ class RolloutSample:
     old_log_probs: (
         np.ndarray
     )  # (T,) float32: generator logprob of each token under its sampling distribution, 0 on context
-    advantage: float  # NaN while pending (trainer-scored groups); 0.0 exactly when the group has no learning signal
+    advantage: float  # NaN while pending (trainer-scored groups); 0.0 exactly when the group has no learning signal;
+    # group-centred but not yet scaled under scale_rewards="batch" (the collator scales it)
     model_version: int  # policy version the group started generating with
     group_id: int  # scheduled group id (see `GroupSchedule`); one prompt drawn once
     metrics: dict[str, float] = field(default_factory=dict)  # reward, reward_std, rewards/<column>, ...

@@ -25,8 +25,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..pipeline.batch import MicroBatch, StepBatch
-from ..rollout.advantages import Aggregation, ScaleRewards, compute_group_advantages
+from ..pipeline.batch import MicroBatch, StepBatch, write_step_normalizers
+from ..rollout.advantages import (
+    AdvantageEstimator,
+    Aggregation,
+    ScaleRewards,
+    batch_advantages,
+    compute_group_advantages,
+    learning_signal,
+)
 from .packing import chunk_inputs
 from .scorer import FILLER_UID, TrainerScorer, decode_extra_uid
 
@@ -69,6 +76,7 @@ def score_step(
     mask_truncated_completions: bool = False,
     progress: RolloutProgress | None = None,
     group: dist.ProcessGroup | None = None,
+    advantage_estimator: AdvantageEstimator = "grpo",
 ) -> ScoredStep | None:
     """Score one optimizer step's micro-batches in place (see the module doc); call it on every rank.
 
@@ -77,11 +85,11 @@ def score_step(
     the rollout columns and calls `compute_group_advantages`. Groups whose advantages are known pass through
     untouched. In pending groups, a sample whose advantage is exactly 0, or that is truncated under
     `mask_truncated_completions`, is taken out of the loss: its terms are removed from `token_index`,
-    `old_log_probs`, `advantages` and `segment_id`, and every micro-batch's `step_trained_tokens` becomes the step's
-    remaining term count. On rank 0, `progress.train` gets the scored groups that train and `progress.exclude` those
+    `old_log_probs`, `advantages` and `segment_id`, and every micro-batch's `step_trained_tokens` and
+    `step_sequences` become the step's remaining term and sample counts. On rank 0, `progress.train` gets the scored groups that train and `progress.exclude` those
     that do not (reason `"no_signal"`, or `"truncated"` when truncation masked samples that had a signal).
 
-    `scale_rewards="batch"` divides by the standard deviation of the learning signal over the step's pending groups.
+    `scale_rewards="batch"` divides by one standard deviation over the step's pending groups (`batch_advantages`).
 
     Args:
         module: passed to `scorer.features` (its device is where forwards run).
@@ -89,6 +97,7 @@ def score_step(
         scorers: the trainer scorers, in `s{index}_` order. With none, nothing happens and None is returned.
         reward_weights: one weight per column: the rollout columns (`step.reward_names`), then the scorers.
         aggregation, scale_rewards: as in `compute_group_advantages`.
+        advantage_estimator: the baseline (`compute_group_advantages`' `estimator`).
         mask_truncated_completions: also take truncated samples of scored groups out of the loss.
         progress: rank 0's `RolloutProgress` (ignored on other ranks).
         group: process group for the all-gather (default: the default group; a gloo side group keeps pickled
@@ -118,7 +127,8 @@ def score_step(
     gathered = _all_gather(local, group)
     table = _SampleTable.merge([g["samples"] for g in gathered])
     features = [_merge_features([g["features"][k] for g in gathered]) for k in range(len(scorers))]
-    scored = _score_groups(table, features, scorers, weights, aggregation, scale_rewards, names)
+    options = (aggregation, scale_rewards, advantage_estimator)
+    scored = _score_groups(table, features, scorers, weights, options, names)
     scored.trained = _trains(table, scored, mask_truncated_completions)
     _rewrite_micro_batches(step.micro_batches, table, scored)
     scored.excluded_group_ids = [
@@ -232,8 +242,7 @@ def _score_groups(
     features: list[_Features],
     scorers: Sequence[TrainerScorer],
     weights: np.ndarray,
-    aggregation: Aggregation,
-    scale_rewards: ScaleRewards,
+    options: tuple[Aggregation, ScaleRewards, AdvantageEstimator],
     names: list[str],
 ) -> ScoredStep:
     """Columns and advantages of the pending groups (the same on every rank: gathered inputs, fixed order)."""
@@ -249,10 +258,7 @@ def _score_groups(
                 metric_values[f"scoring/{scorer.name}/{key}"].append(float(value))
         columns.append(np.concatenate(rows).astype(np.float64))
         uids.append(members)
-    batch_std = _batch_std(columns, weights, aggregation) if scale_rewards == "batch" else None
-    advantages = [
-        compute_group_advantages(c, weights, aggregation, scale_rewards, batch_std=batch_std)[1] for c in columns
-    ]
+    advantages = _advantages(columns, weights, *options)
     empty = np.zeros(0)
     scored = ScoredStep(
         reward_names=names,
@@ -291,22 +297,21 @@ def _scorer_column(
     return rewards, metrics
 
 
-def _batch_std(columns: list[np.ndarray], weights: np.ndarray, aggregation: Aggregation) -> float:
-    """Standard deviation (ddof=1) of the learning signal over every scored sample of the step's pending groups.
-
-    That signal is the weighted reward for `sum_then_normalize`, as GRPOTrainer's `scale_rewards="batch"` takes it,
-    and the sum of per-group z-scores for `normalize_then_sum` (GDPO's batch normalization).
-    """
-    signal = []
-    for column in columns:
-        scored = ~np.all(np.isnan(column), axis=0)
-        if aggregation == "normalize_then_sum":
-            _, centred = compute_group_advantages(column, weights, aggregation, "none")
-            signal.append(centred[scored])
-        else:
-            signal.append(np.nansum(weights[:, None] * column, axis=0)[scored])
-    values = np.concatenate(signal) if signal else np.zeros(0)
-    return float(values.std(ddof=1)) if values.size > 1 else 0.0
+def _advantages(
+    columns: list[np.ndarray],
+    weights: np.ndarray,
+    aggregation: Aggregation,
+    scale_rewards: ScaleRewards,
+    estimator: AdvantageEstimator,
+) -> list[np.ndarray]:
+    """Each group's advantages; with `scale_rewards="batch"` the step's pending groups are the batch."""
+    if scale_rewards != "batch":
+        return [
+            compute_group_advantages(c, weights, aggregation, scale_rewards, estimator=estimator)[1] for c in columns
+        ]
+    centred = [compute_group_advantages(c, weights, aggregation, "none", estimator=estimator)[1] for c in columns]
+    signals = [learning_signal(c, weights, aggregation) for c in columns]
+    return batch_advantages(signals, centred, estimator)
 
 
 def _trains(table: _SampleTable, scored: ScoredStep, mask_truncated_completions: bool) -> np.ndarray:
@@ -321,8 +326,10 @@ def _rewrite_micro_batches(micro_batches: list[MicroBatch], table: _SampleTable,
     """Write the scored advantages per loss term, drop the masked samples' terms, and reset the normalizer."""
     advantage = dict(zip(scored.uids.tolist(), scored.advantages.tolist(), strict=True))
     trained = dict(zip(scored.uids.tolist(), scored.trained.tolist(), strict=True))
-    masked_terms = int(table.terms[np.searchsorted(table.uid, scored.uids[~scored.trained])].sum())
-    total = float(table.terms.sum() - masked_terms)
+    masked = np.zeros(table.uid.shape, dtype=bool)
+    masked[np.searchsorted(table.uid, scored.uids[~scored.trained])] = True
+    tokens = float(table.terms[~masked].sum())
+    sequences = float(((table.terms > 0) & ~masked).sum())
     for mb in micro_batches:
         uids = mb["sample_uid"].tolist()
         per_sample = torch.tensor([advantage.get(uid, math.nan) for uid in uids], dtype=torch.float32)
@@ -339,7 +346,7 @@ def _rewrite_micro_batches(micro_batches: list[MicroBatch], table: _SampleTable,
             mb["sample_advantage"] = torch.where(scored_here, per_sample, mb["sample_advantage"].float().cpu()).to(
                 mb["sample_advantage"]
             )
-        mb["step_trained_tokens"] = torch.tensor(total, dtype=torch.float32, device=mb["step_trained_tokens"].device)
+        write_step_normalizers(mb, tokens=tokens, sequences=sequences)
 
 
 def _report(

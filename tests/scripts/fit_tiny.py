@@ -12,7 +12,8 @@ ended with, if any. Scenarios:
 - `ctrl_c`: at the start of step `--kill-at + 1`, SIGINT to the whole process group, as Ctrl-C in a terminal sends it
   (the rollout child and its reward workers get it too).
 
-`--strategy fsdp2` trains under `ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)` (FSDP2 on
+`--beta` adds the KL to a reference model (sharded like the policy under FSDP2) and `--ref-sync-steps n` mixes the
+policy into it every n steps (it is then in the checkpoints). `--strategy fsdp2` trains under `ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)` (FSDP2 on
 CPU with gloo), `fsdp2_tp` under its default mesh (tensor-parallel over every device, which must be refused). With
 `--record`, each rank also saves `<out>/steps_rank<r>.pt` (its micro-batches of every step), `<out>/final_rank<r>.pt`
 (the full, gathered weights after the fit) and, on rank 0, the largest difference between the generator's
@@ -67,6 +68,13 @@ def logprob_error(trainer, pl_module, batch) -> float | None:
     return max(errors)
 
 
+def reference_options(beta: float, sync_steps: int) -> dict:
+    """GRPOModule's reference-model options for `--beta` and `--ref-sync-steps`."""
+    if not beta:
+        return {}
+    return {"beta": beta, "sync_ref_model": sync_steps > 0, "ref_model_sync_steps": max(1, sync_steps)}
+
+
 def _dropped(trainer) -> dict:
     progress = getattr(trainer.datamodule, "progress", None)
     return {**progress.dropped, **progress.excluded} if progress is not None and trainer.is_global_zero else {}
@@ -85,6 +93,8 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--validate", action="store_true", help="validate on 4 held-out prompts when the fit ends")
+    parser.add_argument("--beta", type=float, default=0.0, help="KL to a reference model")
+    parser.add_argument("--ref-sync-steps", type=int, default=0, help="TR-DPO mixes every n steps (0: never)")
     args = parser.parse_args()
 
     import lightning.pytorch as pl
@@ -169,7 +179,7 @@ def main() -> None:
         val_dataset=say(4) if args.validate else None,
         val_batch_size=2,
     )
-    module = GRPOModule("tiny-random", learning_rate=1e-3)
+    module = GRPOModule("tiny-random", learning_rate=1e-3, **reference_options(args.beta, args.ref_sync_steps))
     recorder = Recorder()
     callbacks = [recorder]
     if args.scenario in ("kill_self", "resume", "checkpoint"):

@@ -1,0 +1,122 @@
+"""Real `GRPODataModule` fits (rollout child, embedded generator) with the GRPO-family options that need one: batch
+reward scaling trains TRL's advantages, a truncated sampling distribution gives a unit ratio, and the reference
+model with several updates per step ends by itself."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from tiny_fits import cpu_trainer, tiny_datamodule
+from trl_grpo import generate_and_score, grpo_trainer
+
+from lightning_grpo.module import GRPOModule
+
+
+class StepRecorder(pl.Callback):
+    """Each step's trained advantages by sample (rank 0's view) and the metrics logged for it."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        advantages = {}
+        for mb in batch.micro_batches:
+            for uid, advantage in zip(mb["sample_uid"].tolist(), mb["sample_advantage"].tolist(), strict=True):
+                if uid >= 0:
+                    advantages[uid] = advantage
+        version = trainer.datamodule.weight_sync.version  # pushes so far, after the first
+        self.steps.append({"samples": list(batch.samples), "advantages": advantages, "version": version})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.steps[-1]["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        self.steps[-1]["steps_after"] = trainer.global_step
+
+
+def length_reward(completions, **kwargs):
+    """A second reward column: the completion's length."""
+    return [len(c[0]["content"]) / 8 for c in completions]
+
+
+def trl_batch_advantages(samples, reward_names, aggregation: str, num_generations: int) -> np.ndarray:
+    """TRL's advantages for a step's samples (grouped by group id, in `samples` order) under scale_rewards='batch'."""
+    by_group = defaultdict(list)
+    for uid, sample in enumerate(samples):
+        by_group[sample.group_id].append(uid)
+    order = [uid for uids in by_group.values() for uid in uids]
+    rewards = np.array([[samples[uid].metrics[f"rewards/{name}"] for name in reward_names] for uid in order])
+    trainer = grpo_trainer(
+        num_generations=num_generations,
+        per_device_train_batch_size=len(order),
+        scale_rewards="batch",
+        multi_objective_aggregation=aggregation,
+        vllm_importance_sampling_correction=False,
+    )
+    advantages = generate_and_score(trainer, rewards)["advantages"].numpy()
+    out = np.empty(len(samples))
+    out[order] = advantages
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_batch_scaled_rewards_train_trls_advantages_and_a_truncated_sampler_gives_a_unit_ratio(no_leaked_processes):
+    """`scale_rewards="batch"` without trainer scorers: the step's advantages are GRPOTrainer's over a batch (here
+    GDPO's summed z-scores of two reward columns, scaled by their std over the step; the weighted sum's form goes
+    the same way, see `test_advantage_parity.py`); and with `top_k`/`top_p` the trainer's log-probabilities are those
+    of the same truncated distribution the generator sampled from, so the first step (trained on the weights that
+    generated it) has a ratio of 1."""
+    from tiny_fits import char_sum_reward
+
+    aggregation = "normalize_then_sum"
+    recorder = StepRecorder()
+    datamodule = tiny_datamodule(
+        4,
+        reward_funcs=[char_sum_reward, length_reward],
+        multi_objective_aggregation=aggregation,
+        scale_rewards="batch",
+        top_k=20,
+        top_p=0.9,
+        gradient_accumulation_steps=2,
+    )
+    trainer = cpu_trainer(callbacks=[recorder])
+    trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
+
+    assert recorder.steps and trainer.global_step == len(recorder.steps)
+    for step in recorder.steps:
+        names = ["char_sum_reward", "length_reward"]
+        expected = trl_batch_advantages(step["samples"], names, aggregation, num_generations=4)
+        got = np.array([step["advantages"][uid] for uid in range(len(step["samples"]))])
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    first = recorder.steps[0]
+    assert all(sample.model_version == 0 for sample in first["samples"])  # sampled by the weights it trains
+    assert first["metrics"]["ratio"] == pytest.approx(1.0, abs=1e-4), first["metrics"]
+    assert first["metrics"]["sampling/sampling_logp_difference/mean"] < 1e-4
+
+
+@pytest.mark.timeout(240)
+def test_reference_model_with_two_updates_per_step_ends_by_itself(no_leaked_processes):
+    """`beta > 0` adds a frozen reference; `num_iterations=2` takes two optimizer steps on each planned step, whose
+    groups are committed once, with the weights pushed after each step's last update."""
+    from lightning_grpo.models import tiny_llama
+
+    recorder = StepRecorder()
+    datamodule = tiny_datamodule(4)
+    module = GRPOModule("tiny-random", learning_rate=1e-3, beta=0.04, num_iterations=2, loss_type="grpo")
+    trainer = cpu_trainer(callbacks=[recorder])
+    trainer.fit(module, datamodule=datamodule)
+
+    batches = len(recorder.steps)
+    assert batches > 0 and trainer.global_step == 2 * batches
+    assert [step["steps_after"] for step in recorder.steps] == [2 * (i + 1) for i in range(batches)]
+    assert [step["version"] for step in recorder.steps] == list(range(batches))  # one push per planned step
+    progress = datamodule.progress
+    assert sorted(progress.consumed) == list(range(4))  # every group once, whatever the updates per step
+    assert progress.trained_total + sum(progress.dropped.values()) == 4
+    assert recorder.steps[-1]["metrics"]["kl"] > 0  # the policy moved away from its reference ...
+    assert not module.reference.mixed  # ... which never changes without sync_ref_model
+    initial = tiny_llama(seed=0)
+    for (name, ref), (_, start) in zip(module.reference.named_parameters(), initial.named_parameters(), strict=True):
+        assert torch.equal(ref, start), name
