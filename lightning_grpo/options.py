@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from ._imports import import_object
-from .rollout.stop_strings import check_stop
+from .rollout.stop_strings import VLLM_MAX_STOP_STRINGS, check_stop
 from .session import LOOP_OPTION_NAMES
 from .threads import is_trainer_threads
 
@@ -37,9 +37,14 @@ def validate_options(hp: Any) -> None:
     if not (hp.repetition_penalty > 0 and math.isfinite(hp.repetition_penalty)):
         problems.append(f"repetition_penalty={hp.repetition_penalty} (must be positive; 1 is off)")
     try:
-        check_stop(hp.stop)
+        stop = check_stop(hp.stop)
     except ValueError as error:
         problems.append(str(error))
+    else:
+        if hp.generator == "vllm" and len(stop) > VLLM_MAX_STOP_STRINGS:
+            problems.append(
+                f"stop has {len(stop)} strings, but a vLLM server takes at most {VLLM_MAX_STOP_STRINGS} per request"
+            )
     if hp.reward_num_workers < 0 or hp.reward_timeout <= 0:
         problems.append(f"reward_num_workers={hp.reward_num_workers}, reward_timeout={hp.reward_timeout}")
     if not is_trainer_threads(hp.trainer_threads):

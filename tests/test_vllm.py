@@ -190,6 +190,37 @@ def test_rollout_child_gets_trl_completions_whose_logprobs_match_a_teacher_force
 
 @needs_vllm
 @pytest.mark.timeout(600)
+def test_min_p_repetition_penalty_and_stop_strings_reach_the_server_and_stopped_completions_are_not_truncated(
+    vllm_server, transfer, tokenizer, no_leaked_processes
+):
+    """TRL's payload plus `stop`: vLLM ends a completion at a stop string (finish_reason "stop", no EOS id), which the
+    loop does not count as truncated, and its processed logprobs are those of the penalized, min-p-cut distribution."""
+    model = tiny_llama(seed=0)
+    push(transfer, model, version=0)
+    sampling = {"temperature": 0.9, "min_p": 0.05, "repetition_penalty": 1.3}
+    stop = list("aeo1")  # vLLM takes at most 4
+    worker = start_worker(vllm_server.url, tokenizer, stop=stop, **sampling)
+    try:
+        groups = collect_groups(worker, 2)
+    finally:
+        worker.stop()
+    stopped = 0
+    for sample in (s for samples in groups.values() for s in samples):
+        prompt_len = int((sample.completion_mask == 0).sum())
+        completion = sample.input_ids[prompt_len:].tolist()
+        text = tokenizer.decode(completion, skip_special_tokens=True)
+        if any(s in text for s in stop):  # the token that completed the stop string is the last one
+            stopped += 1
+            assert not sample.truncated and text[-1] in stop and sum(text.count(s) for s in stop) == 1
+        else:
+            assert sample.truncated == (completion[-1] != tokenizer.eos_token_id)
+        reference = teacher_forced_logprobs(model, sample.input_ids[:prompt_len].tolist(), completion, **sampling)
+        np.testing.assert_allclose(sample.old_log_probs[prompt_len:], reference.numpy(), atol=TOLERANCE)
+    assert stopped > 0, "no completion met a stop string; nothing was tested"
+
+
+@needs_vllm
+@pytest.mark.timeout(600)
 def test_weight_push_makes_the_next_completions_follow_the_new_weights_including_the_tied_head(vllm_server, transfer):
     old = tiny_llama(seed=0)
     new = copy.deepcopy(old)

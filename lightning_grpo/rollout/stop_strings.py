@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+#: vLLM's OpenAI-compatible `/v1/completions` rejects a request with more stop strings than this.
+VLLM_MAX_STOP_STRINGS = 4
+
 
 class StopStrings:
     """Finds the stop string a completion's newest token completed, in its decoded text (special tokens skipped).
