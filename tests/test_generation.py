@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -215,7 +214,9 @@ def test_bad_prompts_are_rejected_with_the_bad_value():
 
 
 def test_invalid_sampling_options_are_reported_together():
-    with pytest.raises(ValueError, match=r"temperature=-1.*top_p=0.*min_p=2.*repetition_penalty=0.*stop='x'.*max_batch"):
+    with pytest.raises(
+        ValueError, match=r"temperature=-1.*top_p=0.*min_p=2.*repetition_penalty=0.*stop='x'.*max_batch"
+    ):
         EmbeddedGenerator(
             tiny_llama(seed=0), temperature=-1, top_p=0, min_p=2, repetition_penalty=0, stop="x", max_batch_size=0
         )
