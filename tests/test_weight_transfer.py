@@ -381,3 +381,23 @@ def test_vllm_weight_transfer_is_trls_nccl_client_which_needs_vllm():
         pytest.skip("vllm is installed: the client would be built and would look for a server")
     with pytest.raises(ImportError, match="vLLM is required to use WeightTransferClient"):
         make_weight_transfer("vllm", tiny_llama(seed=0), vllm_transfer="nccl")
+
+
+def test_a_packed_lm_head_follows_each_sync():
+    """A vocabulary-sized LM head runs on pre-packed weights; a sync re-packs it, so logprobs follow the new head."""
+    from lightning_grpo.rollout.decoder import packing_available
+
+    old, new = tiny_llama(seed=0, vocab_size=1 << 15), tiny_llama(seed=1, vocab_size=1 << 15)
+    transfer = SharedMemoryWeightTransfer(old)
+    try:
+        with EmbeddedGenerator(
+            copy.deepcopy(old), eos_token_ids=[], max_tokens=8, weight_receiver=transfer.receiver(), seed=0
+        ) as generator:
+            assert generator._batch._decoder._head._packed is not None or not packing_available(torch.float32)
+            before = generate_all(generator)
+            push(transfer, new, version=1)
+            after = generate_all(generator)
+    finally:
+        transfer.destroy()
+    assert max_error(old, PROMPTS, before) <= 1e-4
+    assert {o.model_version for o in after} == {1} and max_error(new, PROMPTS, after) <= 1e-4

@@ -81,7 +81,7 @@ class ContinuousBatch:
         stop: stop strings, or None.
         max_rows: most rows decoding at once.
         rng: draws for requests without a seed of their own.
-        packed: run the linear layers on pre-packed weights (see `SlotDecoder`).
+        packed: run a large LM head on pre-packed weights (see `SlotDecoder`).
     """
 
     def __init__(

@@ -29,13 +29,16 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Cache slots and positions grow in these steps: each growth copies the whole cache once.
 _SLOT_STEP = 8
 _POSITION_STEP = 64
-# The batch size oneDNN lays packed weights out for (it serves any batch size).
+# The batch size oneDNN lays packed weights out for (it serves any batch size), and the smallest LM head worth packing
+# (a vocabulary of thousands of tokens; smaller layers run slower packed, measured on fp32 CPUs).
 _PACK_ROWS = 32
+_PACK_MIN_NUMEL = 1 << 22
 
 
 class _Linear:
-    """A `nn.Linear` of the model, run through oneDNN with its weight pre-packed when torch has it (about twice as
-    fast as the default CPU GEMM for the LM head). `pack()` re-packs after the module's weight changed in place."""
+    """A `nn.Linear` of the model, run through oneDNN with its weight pre-packed when asked (about twice as fast as
+    the default CPU GEMM for a vocabulary-sized LM head, slower for small layers). `pack()` re-packs after the
+    module's weight changed in place."""
 
     def __init__(self, module: torch.nn.Linear, packed: bool) -> None:
         self.module = module
@@ -98,8 +101,8 @@ class SlotDecoder:
 
     Args:
         model: a causal LM of a supported type (`check_supported`), in eval mode.
-        packed: run the linear layers through oneDNN with pre-packed weights (`packing_available`); call
-            `repack()` after the model's weights change.
+        packed: run a large LM head through oneDNN with pre-packed weights (`packing_available`); call `repack()`
+            after the model's weights change.
     """
 
     def __init__(self, model: PreTrainedModel, packed: bool = False) -> None:
@@ -108,22 +111,8 @@ class SlotDecoder:
         config = model.config
         self._embed, self._norm, self._rotary = base.embed_tokens, base.norm, base.rotary_emb
         self._layers = list(base.layers)[: config.num_hidden_layers]
-        self._linears = [
-            {
-                name: _Linear(module, packed)
-                for name, module in (
-                    ("q", layer.self_attn.q_proj),
-                    ("k", layer.self_attn.k_proj),
-                    ("v", layer.self_attn.v_proj),
-                    ("o", layer.self_attn.o_proj),
-                    ("gate", layer.mlp.gate_proj),
-                    ("up", layer.mlp.up_proj),
-                    ("down", layer.mlp.down_proj),
-                )
-            }
-            for layer in self._layers
-        ]
-        self._head = _Linear(model.lm_head, packed)
+        head = model.lm_head
+        self._head = _Linear(head, packed and head.weight.numel() >= _PACK_MIN_NUMEL)
         attention = self._layers[0].self_attn
         self._rope = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the model's own rotation
         self._qk_norm = hasattr(attention, "q_norm")
@@ -136,11 +125,8 @@ class SlotDecoder:
         self.lengths = torch.zeros(0, dtype=torch.long)
 
     def repack(self) -> None:
-        """Re-pack the linear layers' weights after they were changed in place (a weight sync)."""
+        """Re-pack the LM head's weight after it was changed in place (a weight sync)."""
         self._head.pack()
-        for linears in self._linears:
-            for linear in linears.values():
-                linear.pack()
 
     @property
     def slots(self) -> int:
@@ -215,10 +201,8 @@ class SlotDecoder:
         mask = self._row_mask(lengths)
         prompt_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
         for index, layer in enumerate(self._layers):
-            linears = self._linears[index]
             hidden = hidden + self._attention(index, layer, hidden, cos, sin, mask, spans, prompt_kv)
-            x = layer.post_attention_layernorm(hidden)
-            hidden = hidden + linears["down"](layer.mlp.act_fn(linears["gate"](x)) * linears["up"](x))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         last = torch.tensor([*range(rows), *(end - 1 for _, end in spans)], dtype=torch.long)
         logits = self._head(self._norm(hidden[last])).float()
         self.lengths[:rows] += 1
@@ -242,12 +226,12 @@ class SlotDecoder:
         return torch.zeros(beyond.shape, dtype=self._dtype).masked_fill_(beyond, float("-inf"))[:, None, None]
 
     def _attention(self, index, layer, hidden, cos, sin, mask, spans, prompt_kv) -> torch.Tensor:
-        attention, linears = layer.self_attn, self._linears[index]
+        attention = layer.self_attn
         x = layer.input_layernorm(hidden)
         count = x.shape[0]
-        q = linears["q"](x).view(count, self.heads, self.head_dim)
-        k = linears["k"](x).view(count, self.kv_heads, self.head_dim)
-        v = linears["v"](x).view(count, self.kv_heads, self.head_dim)
+        q = attention.q_proj(x).view(count, self.heads, self.head_dim)
+        k = attention.k_proj(x).view(count, self.kv_heads, self.head_dim)
+        v = attention.v_proj(x).view(count, self.kv_heads, self.head_dim)
         if self._qk_norm:
             q, k = attention.q_norm(q), attention.k_norm(k)
         q, k = self._rope(q, k, cos, sin, unsqueeze_dim=1)
@@ -267,7 +251,7 @@ class SlotDecoder:
                 enable_gqa=self.heads != self.kv_heads,
             )
             out[start:end] = attended[0].transpose(0, 1)
-        return linears["o"](out.view(count, -1))
+        return attention.o_proj(out.view(count, -1))
 
     def _decode_attention(self, index, q, k, v, mask) -> torch.Tensor:
         """Each row's query against its slot: (rows, heads, head_dim) after appending its key and value."""
