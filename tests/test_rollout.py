@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from rollouts import collect_groups
+from rollouts import check_stopped_samples, collect_groups
 
 from lightning_grpo.rollout.advantages import compute_group_advantages
 from lightning_grpo.rollout.generator import GeneratorSpec, PolicySpec
@@ -287,18 +287,4 @@ def test_stop_strings_end_completions_untruncated_with_logprobs_of_the_processed
         groups = collect_groups(worker, 2)
     finally:
         worker.stop()
-    stopped = 0
-    for sample in (s for samples in groups.values() for s in samples):
-        prompt_len = int((sample.completion_mask == 0).sum())
-        completion = sample.input_ids[prompt_len:].tolist()
-        text = tokenizer.decode(completion, skip_special_tokens=True)
-        hit = [s for s in stop if s in text]
-        if hit:  # it ended at the first stop character: the last one, and the only one
-            stopped += 1
-            assert not sample.truncated and text[-1] in stop and len(hit) == 1 and text.count(hit[0]) == 1
-        else:
-            ended = completion[-1] == tokenizer.eos_token_id
-            assert sample.truncated == (not ended) and (ended or len(completion) == MAX_TOKENS)
-        reference = teacher_forced_logprobs(tiny_model, sample.input_ids[:prompt_len].tolist(), completion, **sampling)
-        np.testing.assert_allclose(sample.old_log_probs[prompt_len:], reference.numpy(), atol=1e-4)
-    assert stopped > 0, "no completion met a stop string; nothing was tested"
+    check_stopped_samples(groups, tiny_model, tokenizer, stop, MAX_TOKENS, **sampling)

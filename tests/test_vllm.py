@@ -20,7 +20,7 @@ import pytest
 import requests
 import torch
 from datasets import Dataset
-from rollouts import collect_groups
+from rollouts import check_stopped_samples, collect_groups
 
 from lightning_grpo.models import tiny_llama
 from lightning_grpo.rollout.loop import GRPORolloutLoop
@@ -204,19 +204,7 @@ def test_min_p_repetition_penalty_and_stop_strings_reach_the_server_and_stopped_
         groups = collect_groups(worker, 2)
     finally:
         worker.stop()
-    stopped = 0
-    for sample in (s for samples in groups.values() for s in samples):
-        prompt_len = int((sample.completion_mask == 0).sum())
-        completion = sample.input_ids[prompt_len:].tolist()
-        text = tokenizer.decode(completion, skip_special_tokens=True)
-        if any(s in text for s in stop):  # the token that completed the stop string is the last one
-            stopped += 1
-            assert not sample.truncated and text[-1] in stop and sum(text.count(s) for s in stop) == 1
-        else:
-            assert sample.truncated == (completion[-1] != tokenizer.eos_token_id)
-        reference = teacher_forced_logprobs(model, sample.input_ids[:prompt_len].tolist(), completion, **sampling)
-        np.testing.assert_allclose(sample.old_log_probs[prompt_len:], reference.numpy(), atol=TOLERANCE)
-    assert stopped > 0, "no completion met a stop string; nothing was tested"
+    check_stopped_samples(groups, model, tokenizer, stop, 16, **sampling)
 
 
 @needs_vllm
