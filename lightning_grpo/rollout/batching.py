@@ -169,8 +169,10 @@ class ContinuousBatch:
         return joining
 
     def _reserve(self) -> None:
-        needed = [len(r.prompt_ids) + r.max_tokens for r in self._joining]
-        needed += [len(row.request.prompt_ids) + row.request.max_tokens for row in self._rows]
+        """Room for this step: a slot per row, and each row's positions up to the token it feeds now (the cache
+        grows with the longest sequence, not to every request's `max_tokens` at once)."""
+        needed = [len(r.prompt_ids) for r in self._joining]
+        needed += [len(row.request.prompt_ids) + len(row.tokens) for row in self._rows]
         if needed:
             self._decoder.reserve(len(self._rows) + len(self._joining), max(needed))
 
