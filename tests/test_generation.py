@@ -395,7 +395,10 @@ def test_llama_family_decoders_sample_with_exact_logprobs(model_type, extra):
 
 def test_other_architectures_are_refused_with_the_fix():
     config = AutoConfig.for_model("gpt2", vocab_size=100, n_embd=32, n_layer=1, n_head=2)
+    gpt2 = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=r"model_type='gpt2'.*generator='vllm'"):
-        EmbeddedGenerator(AutoModelForCausalLM.from_config(config))
+        EmbeddedGenerator(gpt2)
+    with pytest.raises(ValueError, match=r"model_type='gpt2'"):  # in the trainer, before a child is spawned
+        GeneratorSpec(PolicySpec.from_model(gpt2))
     with pytest.raises(ValueError, match="sliding attention window"):
         EmbeddedGenerator(_tiny("mistral", sliding_window=64))

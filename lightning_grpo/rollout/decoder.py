@@ -78,12 +78,12 @@ class Prefix:
     length: int
 
 
-def check_supported(model: PreTrainedModel) -> None:
-    """Raise a `ValueError` naming the model type when `SlotDecoder` cannot run `model`."""
-    config = model.config
-    model_type = getattr(config, "model_type", None)
-    sliding = model_type == "mistral" and getattr(config, "sliding_window", None) is not None
-    sliding = sliding or bool(getattr(config, "use_sliding_window", False))
+def check_supported(model: PreTrainedModel | dict) -> None:
+    """Raise a `ValueError` naming the model type when `SlotDecoder` cannot run `model` (a model or its config dict)."""
+    config = model if isinstance(model, dict) else model.config.to_dict()
+    model_type = config.get("model_type")
+    sliding = model_type == "mistral" and config.get("sliding_window") is not None
+    sliding = sliding or bool(config.get("use_sliding_window", False))
     if model_type not in SUPPORTED_MODEL_TYPES or sliding:
         what = f"model_type={model_type!r}" + (" with a sliding attention window" if sliding else "")
         raise ValueError(

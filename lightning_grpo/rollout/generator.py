@@ -36,8 +36,6 @@ log = logging.getLogger(__name__)
 #: Seconds between polls for the trainer's first weight sync, when the model was built without weights.
 WEIGHT_POLL_S = 0.05
 
-__all__ = ["EmbeddedGenerator", "GenerationOutput", "GeneratorSpec", "PolicySpec"]
-
 
 @dataclass(frozen=True, slots=True)
 class PolicySpec:
@@ -357,12 +355,13 @@ class GeneratorSpec:
     """How to build an `EmbeddedGenerator` in the rollout child: its arguments, without the model's weights.
 
     Takes exactly `EmbeddedGenerator`'s arguments (the policy as a `PolicySpec` or a `load_policy` name, then its
-    keyword options) and checks them here, against its signature and ranges, so a bad value fails in the trainer
-    before the child is spawned. It pickles in microseconds; `build()` runs in the child.
+    keyword options) and checks them here, against its signature and ranges (and a config-only policy's model type),
+    so a bad value fails in the trainer before the child is spawned. It pickles in microseconds (plus the tokenizer,
+    when stop strings need one); `build()` runs in the child.
 
     Raises:
         TypeError: an argument `EmbeddedGenerator` does not take.
-        ValueError: an option out of range (all problems in one message).
+        ValueError: an option out of range (all problems in one message), or a model type the generator cannot run.
 
     Example::
 
@@ -380,6 +379,8 @@ class GeneratorSpec:
         bound.apply_defaults()
         _check_options(**{name: bound.arguments[name] for name in _CHECKED})
         self.policy = PolicySpec(name=policy) if isinstance(policy, str) else policy
+        if self.policy.config is not None:
+            check_supported(self.policy.config)
         self.options = options
 
     def build(self) -> EmbeddedGenerator:
