@@ -200,21 +200,36 @@ SYNC_METHODS = {"shared-memory": sync_shared_memory, "safetensors-file": sync_sa
 
 
 def compare(
-    runs: dict[str, Callable[[], object]], reps: int, warm_up: bool = True
-) -> dict[str, tuple[float, float, object]]:
-    """Name -> (first run seconds, median of the next `reps`, last result); the runs alternate, so that a change in
-    the machine's load (other processes) hits every method alike. Without `warm_up` the first run counts too."""
-    firsts, times, results = {}, {name: [] for name in runs}, {}
+    runs: dict[str, Callable[[], object]],
+    reps: int,
+    warm_up: bool = True,
+    clocks: dict[str, Callable[[], float]] | None = None,
+) -> dict[str, tuple[float, float, object, float]]:
+    """Name -> (first run seconds, median of the next `reps`, last result, median CPU seconds by `clocks[name]`);
+    the runs alternate, so that a change in the machine's load (other processes) hits every method alike. Without
+    `warm_up` the first run counts too."""
+    clocks = clocks or {}
+    firsts, times, cpus, results = {}, {name: [] for name in runs}, {name: [] for name in runs}, {}
     for rep in range(reps + int(warm_up)):
         for name, run in runs.items():
-            start = time.perf_counter()
+            clock = clocks.get(name, time.process_time)
+            start, cpu = time.perf_counter(), clock()
             results[name] = run()
-            elapsed = time.perf_counter() - start
+            elapsed, cpu = time.perf_counter() - start, clock() - cpu
             if rep == 0:
                 firsts[name] = elapsed
             if rep > 0 or not warm_up:
                 times[name].append(elapsed)
-    return {name: (firsts[name], statistics.median(times[name]), results[name]) for name in runs}
+                cpus[name].append(cpu)
+    return {
+        name: (firsts[name], statistics.median(times[name]), results[name], statistics.median(cpus[name]))
+        for name in runs
+    }
+
+
+# CPU seconds a backend spends, for the tokens per CPU-second column: this process's, unless a backend says otherwise
+# (the vLLM server adds its own processes'). On a machine shared with other work it is steadier than wall time.
+CPU_CLOCKS: dict[str, Callable[[str], Callable[[], float]]] = {}
 
 
 def bench_generation(args: argparse.Namespace, backends: dict[str, Backend]) -> None:
@@ -230,6 +245,7 @@ def bench_generation(args: argparse.Namespace, backends: dict[str, Backend]) -> 
         + "".join(f"{n:>13}" for n in names)
         + "".join(f"{names[0] + '/' + n:>22}" for n in names[1:])
     )
+    per_cpu = {}
     for model_name in args.models:
         model = load_policy(model_name).eval()
         warm = make_workload(model_name, model, 2, args.group_size, 8, args.concurrency, seed=1)
@@ -241,15 +257,26 @@ def bench_generation(args: argparse.Namespace, backends: dict[str, Backend]) -> 
                 warm_run, warm_close = backend(warm)
                 warm_run()
                 warm_close()
-            timings = compare({name: run for name, (run, _) in opened.items()}, args.reps, warm_up=False)
+            clocks = {name: CPU_CLOCKS[name](model_name) for name in names if name in CPU_CLOCKS}
+            runs = {name: run for name, (run, _) in opened.items()}
+            timings = compare(runs, args.reps, warm_up=False, clocks=clocks)
         finally:
             for _, close in opened.values():
                 close()
         for name in names:
             assert timings[name][2] == work.useful_tokens, f"{name} sampled {timings[name][2]} tokens"
         rates = [work.useful_tokens / timings[name][1] for name in names]
+        per_cpu[model_name] = [work.useful_tokens / timings[name][3] for name in names]
         print(
             f"{model_name:<24}{work.useful_tokens:>8}"
+            + "".join(f"{r:>13.1f}" for r in rates)
+            + "".join(f"{rates[0] / r:>21.2f}x" for r in rates[1:]),
+            flush=True,
+        )
+    print("\nThe same runs, useful tokens per CPU-second (the backend's processes, all threads)")
+    for model_name, rates in per_cpu.items():
+        print(
+            f"{model_name:<32}"
             + "".join(f"{r:>13.1f}" for r in rates)
             + "".join(f"{rates[0] / r:>21.2f}x" for r in rates[1:])
         )
@@ -273,7 +300,7 @@ def bench_weight_sync(model_name: str, reps: int) -> None:
         for _, close in opened.values():
             close()
     medians = {}
-    for name, (first, median, _) in timings.items():
+    for name, (first, median, _, _) in timings.items():
         torch.testing.assert_close(targets[name].state_dict(), model.state_dict())  # the sync copied everything
         medians[name] = median
         print(f"{name:<20}{first:>10.4f}{median:>10.4f}")
@@ -315,6 +342,7 @@ def main() -> None:
 
         vllm_generation.check_available()
         backends |= vllm_generation.BACKENDS
+        CPU_CLOCKS.update(vllm_generation.CPU_CLOCKS)
     try:
         if "generation" in args.parts:
             bench_generation(args, backends)

@@ -75,6 +75,30 @@ def vllm_backend(work: base.Workload) -> tuple[Callable[[], int], Callable[[], N
 BACKENDS = {"vllm-server": vllm_backend}
 
 
+def server_cpu_clock(model_name: str) -> Callable[[], float]:
+    """CPU seconds of this process (the HTTP client) plus the vLLM server's process tree."""
+    import time
+
+    import psutil
+
+    root = psutil.Process(server_for(model_name).pid)
+
+    def clock() -> float:
+        total = time.process_time()
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+        return total
+
+    return clock
+
+
+CPU_CLOCKS = {"vllm-server": server_cpu_clock}
+
+
 def bench_weight_push(models: list[str], reps: int) -> None:
     print(f"\nWeight push: seconds from pause to resume, first and median of {reps}")
     print(f"{'model':<24}{'MB':>6}{'shm first':>11}{'shm median':>12}{'vllm first':>12}{'vllm median':>13}{'ratio':>8}")
@@ -95,7 +119,7 @@ def bench_weight_push(models: list[str], reps: int) -> None:
         finally:
             shm_close()
             transfer.destroy()
-        (shm_first, shm_median, _), (vllm_first, vllm_median, _) = timings["shm"], timings["vllm"]
+        (shm_first, shm_median, _, _), (vllm_first, vllm_median, _, _) = timings["shm"], timings["vllm"]
         print(
             f"{model_name:<24}{nbytes / 1e6:>6.0f}{shm_first:>11.3f}{shm_median:>12.3f}{vllm_first:>12.3f}"
             f"{vllm_median:>13.3f}{vllm_median / shm_median:>7.1f}x"
