@@ -402,3 +402,16 @@ def test_other_architectures_are_refused_with_the_fix():
         GeneratorSpec(PolicySpec.from_model(gpt2))
     with pytest.raises(ValueError, match="sliding attention window"):
         EmbeddedGenerator(_tiny("mistral", sliding_window=64))
+
+
+def test_a_burst_of_prompts_is_prefilled_over_several_steps_within_the_token_budget(monkeypatch):
+    from lightning_grpo.rollout import batching
+
+    monkeypatch.setattr(batching, "_MAX_PREFILL_TOKENS", 12)  # the prompts have 11, 3, 6 and 2 tokens
+    reference = tiny_llama(seed=0)
+    with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], max_tokens=6, seed=0) as generator:
+        outputs = generate_all(generator, PROMPTS)
+        metrics = generator.metrics()
+    assert metrics["generation/prefills_total"] == 4
+    assert metrics["generation/steps_total"] == 6 + 1  # the first prompt alone, the other three one step later
+    assert max_logprob_error(reference, PROMPTS, outputs) <= 1e-4

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
     from .stop_strings import StopStrings
 
+# Most prompt tokens prefilled in one step (a longer prompt is prefilled alone).
+_MAX_PREFILL_TOKENS = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class GenerationOutput:
@@ -163,8 +166,17 @@ class ContinuousBatch:
     # -- one step ------------------------------------------------------------------------------------------------------
 
     def _admit(self, waiting: deque) -> list[Any]:
-        joining = []
+        """Requests that join now: while rows are free, and while the prompts to prefill stay under a token budget
+        (at least one prompt a step), so that a burst of long prompts cannot make one step's activations huge."""
+        joining, new = [], set()
+        prefill = 0
         while waiting and len(self._rows) + len(joining) < self._max_rows:
+            key = waiting[0].key
+            if key not in self._prefixes and key not in new:
+                if new and prefill + len(key) > _MAX_PREFILL_TOKENS:
+                    break
+                new.add(key)
+                prefill += len(key)
             joining.append(waiting.popleft())
         return joining
 
