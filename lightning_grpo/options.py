@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from ._imports import import_object
+from .rollout.stop_strings import VLLM_MAX_STOP_STRINGS, check_stop
 from .session import LOOP_OPTION_NAMES
 from .threads import is_trainer_threads
 
@@ -31,6 +32,19 @@ def validate_options(hp: Any) -> None:
         problems.append(f"temperature={hp.temperature} (must be positive)")
     if not 0 < hp.top_p <= 1:
         problems.append(f"top_p={hp.top_p} (must be in (0, 1])")
+    if hp.min_p is not None and not 0 <= hp.min_p <= 1:
+        problems.append(f"min_p={hp.min_p} (must be in [0, 1], or None)")
+    if not (hp.repetition_penalty > 0 and math.isfinite(hp.repetition_penalty)):
+        problems.append(f"repetition_penalty={hp.repetition_penalty} (must be positive; 1 is off)")
+    try:
+        stop = check_stop(hp.stop)
+    except ValueError as error:
+        problems.append(str(error))
+    else:
+        if hp.generator == "vllm" and len(stop) > VLLM_MAX_STOP_STRINGS:
+            problems.append(
+                f"stop has {len(stop)} strings, but a vLLM server takes at most {VLLM_MAX_STOP_STRINGS} per request"
+            )
     if hp.reward_num_workers < 0 or hp.reward_timeout <= 0:
         problems.append(f"reward_num_workers={hp.reward_num_workers}, reward_timeout={hp.reward_timeout}")
     if not is_trainer_threads(hp.trainer_threads):

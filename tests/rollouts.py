@@ -1,9 +1,11 @@
-"""Reading a rollout worker's queue in tests."""
+"""Reading a rollout worker's queue in tests, and checking what it sampled."""
 
 from __future__ import annotations
 
 import queue
 import time
+
+import numpy as np
 
 from lightning_grpo.rollout.records import RolloutSample
 
@@ -21,3 +23,26 @@ def collect_groups(worker, count: int, timeout: float = 120.0) -> dict[int, list
             continue
         groups.setdefault(sample.group_id, []).append(sample)
     return groups
+
+
+def check_stopped_samples(groups, model, tokenizer, stop: list[str], max_tokens: int, **sampling) -> None:
+    """Each sample is cut at its first stop string (then not truncated) or else at an EOS id or `max_tokens`, and its
+    logprobs are those of the processed distribution (`sampling`); at least one met a stop string."""
+    from lightning_grpo.rollout.sampling import teacher_forced_logprobs
+
+    stopped = 0
+    for sample in (s for samples in groups.values() for s in samples):
+        prompt_len = int((sample.completion_mask == 0).sum())
+        completion = sample.input_ids[prompt_len:].tolist()
+        text = tokenizer.decode(completion, skip_special_tokens=True)
+        hits = [s for s in stop if s in text]
+        if hits:  # it ended at the first stop string: the one its last token completed, and the only one
+            stopped += 1
+            assert not sample.truncated and len(hits) == 1 and text.count(hits[0]) == 1, (text, sample.truncated)
+            assert text.endswith(hits[0])
+        else:
+            ended = completion[-1] == tokenizer.eos_token_id
+            assert sample.truncated == (not ended) and (ended or len(completion) == max_tokens)
+        reference = teacher_forced_logprobs(model, sample.input_ids[:prompt_len].tolist(), completion, **sampling)
+        np.testing.assert_allclose(sample.old_log_probs[prompt_len:], reference.numpy(), atol=1e-4)
+    assert stopped > 0, "no completion met a stop string; nothing was tested"

@@ -43,6 +43,14 @@ def test_loop_kwargs_may_not_override_the_data_modules_own_options():
     assert GRPODataModule(model="tiny-random", loop_kwargs={"tag": "mine"}).loop_kwargs == {"tag": "mine"}
 
 
+def test_bad_generation_options_are_reported_together_with_their_values():
+    with pytest.raises(ValueError, match=r"min_p=1.5.*repetition_penalty=0.*stop='</s>' is a string.*stop=\['</s>'\]"):
+        GRPODataModule(model="tiny-random", min_p=1.5, repetition_penalty=0.0, stop="</s>")
+    with pytest.raises(ValueError, match="stop has 5 strings, but a vLLM server takes at most 4"):
+        GRPODataModule(model="tiny-random", generator="vllm", stop=list("abcde"))
+    assert GRPODataModule(model="tiny-random", stop=list("abcde"), min_p=0.1).hparams.stop == list("abcde")
+
+
 def test_a_group_that_can_never_fit_a_step_fails_at_set_up_naming_the_knob(no_leaked_processes):
     """8 completions in rows of 2 samples, 1 micro-batch on 1 process: no step can hold a group. The fit fails in
     `setup`, before anything is spawned, instead of dropping every group as oversize until the run stalls."""

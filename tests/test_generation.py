@@ -1,4 +1,6 @@
-"""The embedded generator: exact logprobs, stopping, sampling options, batching, a free event loop, shutdown."""
+"""The embedded generator: exact logprobs, stopping (EOS ids, stop strings), sampling options (top-k/top-p, min-p,
+repetition penalty, against transformers' own processors), continuous batching, one prefill per prompt, seeds,
+Llama-family architectures, a free event loop, shutdown."""
 
 from __future__ import annotations
 
@@ -8,10 +10,21 @@ import time
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+)
 
-from lightning_grpo.models import tiny_llama
+from lightning_grpo.models import char_tokenizer, tiny_llama
 from lightning_grpo.rollout.generator import EmbeddedGenerator, GeneratorSpec, PolicySpec
-from lightning_grpo.rollout.sampling import process_logits, sample_from_logprobs, teacher_forced_logprobs
+from lightning_grpo.rollout.sampling import (
+    process_logits,
+    sample_from_logprobs,
+    seen_tokens,
+    teacher_forced_logprobs,
+)
 
 # Prompts of different lengths, so a batch is left-padded.
 PROMPTS = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [2, 50, 51], [2, 60, 61, 62, 63, 64], [2, 70]]
@@ -24,6 +37,11 @@ def generate_all(generator: EmbeddedGenerator, prompts, **kwargs):
         return await asyncio.gather(*(generator.generate(p, **kwargs) for p in prompts))
 
     return asyncio.run(run())
+
+
+async def _gather(generator, calls):
+    """`calls`: (prompt, keyword arguments of `generate`) pairs, sent concurrently."""
+    return await asyncio.gather(*(generator.generate(p, **kwargs) for p, kwargs in calls))
 
 
 def max_logprob_error(model, prompts, outputs, **sampling) -> float:
@@ -41,7 +59,7 @@ def test_logprobs_match_teacher_forced_forward_for_left_padded_batch(temperature
         tiny_llama(seed=0), eos_token_ids=[], temperature=temperature, max_tokens=24, seed=0
     ) as generator:
         outputs = generate_all(generator, PROMPTS)
-        assert generator.metrics()["generation/batches_total"] == 1  # concurrent requests shared one batch
+        assert generator.metrics()["generation/steps_total"] == 24  # concurrent requests joined the same step
     assert [len(o.token_ids) for o in outputs] == [24] * len(PROMPTS)
     assert all(o.truncated and o.model_version == 0 for o in outputs)
     assert max_logprob_error(reference, PROMPTS, outputs, temperature=temperature) <= 1e-4
@@ -196,8 +214,14 @@ def test_bad_prompts_are_rejected_with_the_bad_value():
 
 
 def test_invalid_sampling_options_are_reported_together():
-    with pytest.raises(ValueError, match=r"temperature=-1.*top_p=0.*max_batch_size=0"):
-        EmbeddedGenerator(tiny_llama(seed=0), temperature=-1, top_p=0, max_batch_size=0)
+    with pytest.raises(
+        ValueError, match=r"temperature=-1.*top_p=0.*min_p=2.*repetition_penalty=0.*stop='x'.*max_batch"
+    ):
+        EmbeddedGenerator(
+            tiny_llama(seed=0), temperature=-1, top_p=0, min_p=2, repetition_penalty=0, stop="x", max_batch_size=0
+        )
+    with pytest.raises(ValueError, match="needs the policy's tokenizer"):
+        EmbeddedGenerator(tiny_llama(seed=0), stop=["x"])
 
 
 def test_model_without_weights_needs_a_weight_receiver():
@@ -217,3 +241,177 @@ def test_specs_pickle_small_and_build_the_named_model():
         torch.testing.assert_close(generator.model.state_dict(), model.state_dict())
     with pytest.raises(ValueError, match="exactly one of"):
         PolicySpec()
+
+
+# -- min-p, repetition penalty and stop strings ------------------------------------------------------------------------
+
+
+def test_process_logits_applies_repetition_penalty_temperature_and_min_p_as_transformers_does():
+    """Against transformers' own processors, in the order vLLM and GRPOTrainer's generation config apply them."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 60, generator=gen) * 3
+    history = torch.randint(0, 60, (4, 12), generator=gen)  # prompt and completion so far, per row
+    seen = torch.zeros(4, 60, dtype=torch.bool).scatter_(1, history, True)
+    expected = RepetitionPenaltyLogitsProcessor(1.4)(history, logits.clone())
+    expected = TemperatureLogitsWarper(0.7)(history, expected)
+    expected = MinPLogitsWarper(0.1)(history, expected).log_softmax(-1)
+    got = process_logits(logits, 0.7, min_p=0.1, repetition_penalty=1.4, seen=seen)
+    torch.testing.assert_close(got, expected)
+    assert torch.isinf(got).any() and (got.exp().sum(-1) - 1).abs().max() < 1e-5
+    greedy = process_logits(logits, 0.0, min_p=0.1, repetition_penalty=1.4, seen=seen)  # greedy: the penalty only
+    torch.testing.assert_close(greedy, RepetitionPenaltyLogitsProcessor(1.4)(history, logits.clone()).log_softmax(-1))
+    with pytest.raises(ValueError, match="needs `seen`"):
+        process_logits(logits, repetition_penalty=1.4)
+
+
+def test_seen_tokens_mark_the_prompt_and_the_completion_before_each_position():
+    seen = seen_tokens([5, 6], [7, 5, 8], vocab_size=10)
+    assert [row.nonzero().flatten().tolist() for row in seen] == [[5, 6], [5, 6, 7], [5, 6, 7]]
+
+
+def test_stop_strings_and_repetition_penalty_give_logprobs_of_the_processed_distribution():
+    tokenizer = char_tokenizer()
+    sampling = {"temperature": 0.8, "min_p": 0.02, "repetition_penalty": 1.5}
+    seeds = list(range(len(PROMPTS)))
+    options = dict(eos_token_ids=[], max_tokens=30, tokenizer=tokenizer, **sampling)
+    with EmbeddedGenerator(tiny_llama(seed=0), **options) as free:
+        unstopped = asyncio.run(_seeded(free, PROMPTS, seeds))
+    text = tokenizer.decode(unstopped[0].token_ids)
+    stop = text[5:7]  # two characters, two tokens: found only once the second one is sampled
+    assert len(stop) == 2 and len(tokenizer.encode(stop)) == 2
+    with EmbeddedGenerator(tiny_llama(seed=0), stop=[stop, "never"], **options) as stopping:
+        stopped = asyncio.run(_seeded(stopping, PROMPTS, seeds))
+    for full, out in zip(unstopped, stopped, strict=True):
+        full_text = tokenizer.decode(full.token_ids)
+        if stop in full_text:  # the same draws up to the token completing the stop string, which ends it
+            end = next(i for i in range(1, 31) if stop in tokenizer.decode(full.token_ids[:i]))
+            assert out.token_ids == full.token_ids[:end] and out.stop_string == stop and not out.truncated
+        else:
+            assert out.token_ids == full.token_ids and out.truncated and out.stop_string is None
+    assert stopped[0].stop_string == stop and tokenizer.decode(stopped[0].token_ids).endswith(stop)
+    reference = tiny_llama(seed=0)
+    assert max_logprob_error(reference, PROMPTS, stopped, **sampling) <= 1e-4
+    plain = max_logprob_error(reference, PROMPTS, stopped, temperature=0.8)
+    assert plain > 1e-2  # the penalty and min-p did change the distribution the tokens were drawn from
+
+
+# -- continuous batching, shared prefill, seeds --------------------------------------------------------------------
+
+
+def test_samples_of_one_prompt_share_one_prefill_and_each_is_exact():
+    reference = tiny_llama(seed=0)
+    calls = [(PROMPTS[0], {})] * 8 + [(PROMPTS[1], {})] * 2
+    with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], max_tokens=12, seed=0) as generator:
+        outputs = asyncio.run(_gather(generator, calls))
+        metrics = generator.metrics()
+    assert metrics["generation/prefills_total"] == 2
+    assert metrics["generation/prefill_tokens_total"] == len(PROMPTS[0]) + len(PROMPTS[1])
+    assert len({tuple(o.token_ids) for o in outputs[:8]}) == 8  # independent samples of the same prompt
+    assert max_logprob_error(reference, [p for p, _ in calls], outputs) <= 1e-4
+
+
+@pytest.mark.timeout(60)
+def test_a_request_joins_the_running_batch_and_leaves_it_as_soon_as_it_ends():
+    reference = tiny_llama(seed=0)
+    with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], max_tokens=120, seed=0) as generator:
+
+        async def run():
+            long = asyncio.ensure_future(generator.generate(PROMPTS[0]))
+            while generator.metrics()["generation/steps_total"] < 10:
+                await asyncio.sleep(0.001)
+            short = await generator.generate(PROMPTS[2], max_tokens=5)  # joins the running completion
+            return short, long.done(), generator.metrics()["generation/steps_total"], await long
+
+        short, long_done_then, steps_then, long = asyncio.run(run())
+        steps = generator.metrics()["generation/steps_total"]
+    assert not long_done_then and steps_then < 120  # the short one ended while the long one was still running
+    assert steps == 120  # and shared its steps: one step per token of the long completion
+    assert len(short.token_ids) == 5 and len(long.token_ids) == 120
+    assert max_logprob_error(reference, [PROMPTS[2], PROMPTS[0]], [short, long]) <= 1e-4
+
+
+def test_requests_beyond_max_batch_size_join_as_rows_free_and_reuse_their_prompts_prefill():
+    reference = tiny_llama(seed=0)
+    limits = [3, 9, 4, 7, 5, 8, 2, 6]  # rows leave at different steps; the slots they free are reused
+    calls = [(PROMPTS[0], {"max_tokens": n}) for n in limits] + [(PROMPTS[1], {"max_tokens": 4})]
+    with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], max_batch_size=3, seed=0) as generator:
+        outputs = asyncio.run(_gather(generator, calls))
+        metrics = generator.metrics()
+    assert [len(o.token_ids) for o in outputs] == [*limits, 4]
+    assert metrics["generation/prefills_total"] == 2  # the group's prompt is prefilled once, its samples join later
+    assert metrics["generation/steps_total"] < sum(limits) + 4  # rows ran together
+    assert max_logprob_error(reference, [p for p, _ in calls], outputs) <= 1e-4
+
+
+def test_seeded_request_gives_the_same_completion_alone_in_a_group_or_joining_late():
+    with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], max_tokens=16) as generator:
+        alone = asyncio.run(generator.generate(PROMPTS[1], seed=7))
+        in_group = asyncio.run(_gather(generator, [(PROMPTS[1], {"seed": s}) for s in (1, 7, 2, 3)]))[1]
+
+        async def late():
+            running = asyncio.ensure_future(_gather(generator, [(PROMPTS[0], {"max_tokens": 40})] * 3))
+            while generator.metrics()["generation/steps_total"] < 5:
+                await asyncio.sleep(0.001)
+            joined = await generator.generate(PROMPTS[1], seed=7)
+            await running
+            return joined
+
+        steps_before = generator.metrics()["generation/steps_total"]
+        joined = asyncio.run(late())
+        assert generator.metrics()["generation/steps_total"] - steps_before < 40 + 16  # it did join running rows
+    assert alone.token_ids == in_group.token_ids == joined.token_ids
+
+
+# -- architectures --------------------------------------------------------------------------------------------------
+
+
+def _tiny(model_type: str, **extra):
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        **extra,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": None}), ("llama", {"attention_bias": True})],
+)
+def test_llama_family_decoders_sample_with_exact_logprobs(model_type, extra):
+    model = _tiny(model_type, **extra)
+    with EmbeddedGenerator(model, eos_token_ids=[], max_tokens=10, seed=0) as generator:
+        outputs = generate_all(generator, PROMPTS)
+    assert max_logprob_error(_tiny(model_type, **extra), PROMPTS, outputs) <= 1e-4
+
+
+def test_other_architectures_are_refused_with_the_fix():
+    config = AutoConfig.for_model("gpt2", vocab_size=100, n_embd=32, n_layer=1, n_head=2)
+    gpt2 = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"model_type='gpt2'.*generator='vllm'"):
+        EmbeddedGenerator(gpt2)
+    with pytest.raises(ValueError, match=r"model_type='gpt2'"):  # in the trainer, before a child is spawned
+        GeneratorSpec(PolicySpec.from_model(gpt2))
+    with pytest.raises(ValueError, match="sliding attention window"):
+        EmbeddedGenerator(_tiny("mistral", sliding_window=64))
+
+
+def test_a_burst_of_prompts_is_prefilled_over_several_steps_within_the_token_budget(monkeypatch):
+    from lightning_grpo.rollout import batching
+
+    monkeypatch.setattr(batching, "_MAX_PREFILL_TOKENS", 12)  # the prompts have 11, 3, 6 and 2 tokens
+    reference = tiny_llama(seed=0)
+    with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], max_tokens=6, seed=0) as generator:
+        outputs = generate_all(generator, PROMPTS)
+        metrics = generator.metrics()
+    assert metrics["generation/prefills_total"] == 4
+    assert metrics["generation/steps_total"] == 6 + 1  # the first prompt alone, the other three one step later
+    assert max_logprob_error(reference, PROMPTS, outputs) <= 1e-4

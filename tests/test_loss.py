@@ -171,7 +171,7 @@ def test_non_positive_temperature_is_rejected():
         packed_logprobs(tiny_llama(0), mb, temperature=0)
 
 
-def test_under_top_k_and_top_p_the_trainer_scores_the_samplers_truncated_distribution():
+def test_under_min_p_top_k_and_top_p_the_trainer_scores_the_samplers_truncated_distribution():
     """The generator reports log-probabilities of the truncated, renormalised distribution (`process_logits`); the
     trainer computes the same, and its entropy is that distribution's, with a finite gradient."""
     from lightning_grpo.rollout.sampling import process_logits
@@ -179,11 +179,11 @@ def test_under_top_k_and_top_p_the_trainer_scores_the_samplers_truncated_distrib
     model = tiny_llama(0)
     samples = shared_prompt_group(5, [4, 6], seed=3)
     mb = micro_batch(samples)
-    logprobs, entropy = packed_logprobs(model, mb, TEMPERATURE, top_k=30, top_p=0.8, entropy_grad=True)
+    logprobs, entropy = packed_logprobs(model, mb, TEMPERATURE, top_k=30, top_p=0.8, min_p=0.05, entropy_grad=True)
     full, _ = packed_logprobs(tiny_llama(0), mb, TEMPERATURE)
     assert (logprobs > full).all()  # renormalised over fewer tokens
     scores = _packed_logits(tiny_llama(0), mb) / TEMPERATURE
-    expected = process_logits(scores, 1.0, 30, 0.8)
+    expected = process_logits(scores, 1.0, 30, 0.8, min_p=0.05)
     labels = mb["shift_labels"][mb["token_index"]]
     kept = torch.isfinite(expected.gather(1, labels[:, None]).squeeze(1))
     # some labels fall outside this random model's set: they stay in the trainer's (a finite log-probability)

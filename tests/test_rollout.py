@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from rollouts import collect_groups
+from rollouts import check_stopped_samples, collect_groups
 
 from lightning_grpo.rollout.advantages import compute_group_advantages
 from lightning_grpo.rollout.generator import GeneratorSpec, PolicySpec
@@ -44,7 +44,7 @@ def length_reward():
     return lambda completions, **kwargs: [float(len(c[0]["content"])) for c in completions]
 
 
-def start_worker(model, tokenizer, transfer, **overrides) -> GRPORolloutWorker:
+def start_worker(model, tokenizer, transfer, generator_options=None, **overrides) -> GRPORolloutWorker:
     """A started worker whose embedded generator gets its weights from `transfer` (the model's config, no weights)."""
     generator = GeneratorSpec(
         policy=PolicySpec.from_model(model),
@@ -52,6 +52,7 @@ def start_worker(model, tokenizer, transfer, **overrides) -> GRPORolloutWorker:
         max_tokens=MAX_TOKENS,
         weight_receiver=transfer.receiver(),
         seed=0,
+        **(generator_options or {}),
     )
     worker = GRPORolloutWorker(child_ready_timeout=120, **(worker_options(tokenizer, generator=generator) | overrides))
     worker.start()
@@ -269,3 +270,21 @@ def test_the_low_level_worker_runs_generator_embedded_or_fails_at_construction(t
         GRPORolloutWorker(generator="embedded")
     with pytest.raises(ValueError, match="temperature=-1"):
         GRPORolloutWorker(model_name="tiny-random", generator="embedded", temperature=-1)
+
+
+@pytest.mark.timeout(180)
+def test_stop_strings_end_completions_untruncated_with_logprobs_of_the_processed_distribution(
+    tiny_model, tokenizer, transfer, no_leaked_processes
+):
+    """min_p, repetition_penalty and stop strings reach the child's generator; a completion that a stop string ended
+    is not truncated (no EOS id ends it), and every logprob is that of the distribution its token was drawn from."""
+    sampling = {"temperature": 0.9, "min_p": 0.05, "repetition_penalty": 1.3}
+    stop = list("aeiou0123")
+    options = dict(stop=stop, tokenizer=tokenizer, **sampling)
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(tiny_model, tokenizer, transfer, generator_options=options, stop=stop, dataset=prompts(2))
+    try:
+        groups = collect_groups(worker, 2)
+    finally:
+        worker.stop()
+    check_stopped_samples(groups, tiny_model, tokenizer, stop, MAX_TOKENS, **sampling)

@@ -28,7 +28,16 @@ MODULE_NAMES = {
 
 #: `_AsyncRolloutLoop` methods GRPORolloutLoop overrides or calls -> the parameters it passes or accepts
 LOOP_METHODS = {
-    "__init__": ["model_name", "dataset", "reward_funcs", "processing_class", "eos_token_ids", "tools"],
+    "__init__": [
+        "model_name",
+        "dataset",
+        "reward_funcs",
+        "processing_class",
+        "eos_token_ids",
+        "tools",
+        "min_p",
+        "repetition_penalty",
+    ],
     "run": [],
     "_run_loops": ["stop_event"],
     "_generate_loop": ["stop_event"],
@@ -68,7 +77,16 @@ LOOP_ATTRIBUTES = [
 #: set only with an `environment_factory`
 ENVIRONMENT_ATTRIBUTES = ["_env_tools", "_environment_pool"]
 #: attributes set outside `__init__` (`session` in `_run_loops`), or set by GRPORolloutLoop and read by TRL's loop
-LOOP_SOURCE_NAMES = ["self.session = ", "_generation_start_time", "_inflight", "_total_completion_tokens"]
+#: (the vLLM request path adds `stop` to TRL's `/v1/completions` payload, which carries min_p and repetition_penalty)
+LOOP_SOURCE_NAMES = [
+    "self.session = ",
+    "_generation_start_time",
+    "_inflight",
+    "_total_completion_tokens",
+    'self._post("/v1/completions", payload',
+    '"repetition_penalty": self.repetition_penalty',
+    'payload["min_p"] = self.min_p',
+]
 
 ROLLOUT_GROUP_FIELDS = [
     "prompts",

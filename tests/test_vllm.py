@@ -20,7 +20,7 @@ import pytest
 import requests
 import torch
 from datasets import Dataset
-from rollouts import collect_groups
+from rollouts import check_stopped_samples, collect_groups
 
 from lightning_grpo.models import tiny_llama
 from lightning_grpo.rollout.loop import GRPORolloutLoop
@@ -186,6 +186,25 @@ def test_rollout_child_gets_trl_completions_whose_logprobs_match_a_teacher_force
             assert 0 < len(completion) <= 16 and sample.completion_mask[prompt_len:].all()
             reference = teacher_forced_logprobs(model, sample.input_ids[:prompt_len].tolist(), completion, 0.7)
             np.testing.assert_allclose(sample.old_log_probs[prompt_len:], reference.numpy(), atol=TOLERANCE)
+
+
+@needs_vllm
+@pytest.mark.timeout(600)
+def test_min_p_repetition_penalty_and_stop_strings_reach_the_server_and_stopped_completions_are_not_truncated(
+    vllm_server, transfer, tokenizer, no_leaked_processes
+):
+    """TRL's payload plus `stop`: vLLM ends a completion at a stop string (finish_reason "stop", no EOS id), which the
+    loop does not count as truncated, and its processed logprobs are those of the penalized, min-p-cut distribution."""
+    model = tiny_llama(seed=0)
+    push(transfer, model, version=0)
+    sampling = {"temperature": 0.9, "min_p": 0.05, "repetition_penalty": 1.3}
+    stop = list("aeo1")  # vLLM takes at most 4
+    worker = start_worker(vllm_server.url, tokenizer, stop=stop, **sampling)
+    try:
+        groups = collect_groups(worker, 2)
+    finally:
+        worker.stop()
+    check_stopped_samples(groups, model, tokenizer, stop, 16, **sampling)
 
 
 @needs_vllm

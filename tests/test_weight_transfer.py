@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib.util
+import inspect
 import multiprocessing as mp
 import os
 import pickle
@@ -15,6 +16,7 @@ import time
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from lightning_grpo.models import tiny_llama
 from lightning_grpo.rollout.generator import EmbeddedGenerator, GeneratorSpec, PolicySpec
@@ -79,8 +81,27 @@ def test_generations_switch_to_new_weights_and_version_only_after_resume(transfe
     assert transfer.version == 5 and generator.metrics()["generation/weight_syncs_total"] == 1
 
 
+def switched_logprobs(old, new, prompt, ids, switch) -> torch.Tensor:
+    """Logprobs of `ids` sampled by `old` up to token `switch` and by `new` from there, over the cache `old` computed.
+
+    Token j's keys and values are computed at the step that samples token j + 1, so `old` computed the prompt and
+    tokens 0 .. switch - 2, and `new` the rest.
+    """
+    seq = torch.tensor([list(prompt) + list(ids)])
+    cut = len(prompt) + switch - 1
+    cache_kwarg = "cache" if "cache" in inspect.signature(old.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=old.config)
+    with torch.inference_mode():
+        before = old(seq[:, :cut], use_cache=True, **{cache_kwarg: cache}).logits[0, len(prompt) - 1 :]
+        after = new(seq[:, cut:-1], use_cache=True, **{cache_kwarg: cache}).logits[0]
+    logprobs = torch.cat([before, after]).log_softmax(-1)
+    return logprobs.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+
+
 @pytest.mark.timeout(60)
-def test_batch_in_flight_during_a_sync_finishes_on_the_old_weights_and_version(transfer):
+def test_sync_under_a_running_completion_applies_at_the_next_step_and_tags_it_with_the_oldest_version(transfer):
+    """Weights swap between two decode steps, under running completions: their next tokens are sampled by the new
+    weights (logprobs of exactly that distribution), and the output carries the oldest version that sampled it."""
     old, new = tiny_llama(seed=0), tiny_llama(seed=1)
     receiver = transfer.receiver()
     with EmbeddedGenerator(copy.deepcopy(old), eos_token_ids=[], max_tokens=400, weight_receiver=receiver) as gen:
@@ -93,8 +114,14 @@ def test_batch_in_flight_during_a_sync_finishes_on_the_old_weights_and_version(t
             return await in_flight, await gen.generate(PROMPTS[1], max_tokens=10)
 
         during, next_one = asyncio.run(run())
-    assert during.model_version == 0 and max_error(old, PROMPTS[:1], [during]) <= 1e-4
-    assert next_one.model_version == 1 and max_error(new, PROMPTS[1:2], [next_one]) <= 1e-4
+    switch = list(during.token_versions).index(1)
+    assert 0 < switch < 400 and during.token_versions == (0,) * switch + (1,) * (400 - switch)
+    assert during.model_version == 0  # the oldest weights that sampled it: staleness is never under-counted
+    reference = switched_logprobs(old, new, PROMPTS[0], during.token_ids, switch)
+    assert (reference - torch.tensor(during.logprobs)).abs().max() <= 1e-4
+    assert max_error(old, PROMPTS[:1], [during]) > 1e-2  # the tokens after the switch are not the old model's
+    assert next_one.model_version == 1 and set(next_one.token_versions) == {1}
+    assert max_error(new, PROMPTS[1:2], [next_one]) <= 1e-4
 
 
 def test_receiver_does_not_copy_while_the_trainer_writes(transfer):
@@ -354,3 +381,23 @@ def test_vllm_weight_transfer_is_trls_nccl_client_which_needs_vllm():
         pytest.skip("vllm is installed: the client would be built and would look for a server")
     with pytest.raises(ImportError, match="vLLM is required to use WeightTransferClient"):
         make_weight_transfer("vllm", tiny_llama(seed=0), vllm_transfer="nccl")
+
+
+def test_a_packed_lm_head_follows_each_sync():
+    """A vocabulary-sized LM head runs on pre-packed weights; a sync re-packs it, so logprobs follow the new head."""
+    from lightning_grpo.rollout.decoder import packing_available
+
+    old, new = tiny_llama(seed=0, vocab_size=1 << 15), tiny_llama(seed=1, vocab_size=1 << 15)
+    transfer = SharedMemoryWeightTransfer(old)
+    try:
+        with EmbeddedGenerator(
+            copy.deepcopy(old), eos_token_ids=[], max_tokens=8, weight_receiver=transfer.receiver(), seed=0
+        ) as generator:
+            assert generator._batch._decoder._head._packed is not None or not packing_available(torch.float32)
+            before = generate_all(generator)
+            push(transfer, new, version=1)
+            after = generate_all(generator)
+    finally:
+        transfer.destroy()
+    assert max_error(old, PROMPTS, before) <= 1e-4
+    assert {o.model_version for o in after} == {1} and max_error(new, PROMPTS, after) <= 1e-4

@@ -2,10 +2,10 @@
 
 `EmbeddedGenerator.generate(prompt_ids)` is what TRL's `_generate_one_turn` needs from a vLLM server: prompt ids in;
 the sampled ids and the logprob of each, under the distribution it was sampled from, out. Concurrent calls are
-batched: a worker thread takes every waiting request (up to `max_batch_size`), runs one batched sampling loop (left
-padding, a KV cache) and hands each caller its result on its event loop, which never blocks. Between batches the
-worker applies the newest weights the trainer published (`weight_receiver`), so a completion is never sampled with
-two policies, and each output carries the version of the weights that sampled it.
+batched continuously on a worker thread (`batching.py`): a request joins the running batch at the next step, a
+finished one leaves it at once, and the samples of one prompt share one prefill. Each caller gets its result on its
+own event loop, which never blocks. Between steps the worker applies the newest weights the trainer published
+(`weight_receiver`); each output lists the version that sampled each token and is tagged with the oldest.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .sampling import process_logits, sample_from_logprobs
+from .batching import ContinuousBatch, GenerationOutput, SamplingOptions
+from .decoder import check_supported, packing_available
+from .stop_strings import StopStrings, check_stop
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -33,9 +35,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds between polls for the trainer's first weight sync, when the model was built without weights.
 WEIGHT_POLL_S = 0.05
-# Drop finished rows from the batch (and its KV cache) once this fraction of the rows still running has finished:
-# each drop copies the cache, so it is done in bulk, not once per finished row.
-_COMPACT_FRAC = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,19 +82,10 @@ class PolicySpec:
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-@dataclass(frozen=True, slots=True)
-class GenerationOutput:
-    """One sampled completion of one prompt."""
-
-    token_ids: list[int]  # sampled ids; ends with the EOS id when one was sampled (as vLLM returns it)
-    logprobs: list[float]  # logprob of each sampled id under the processed distribution it was sampled from
-    truncated: bool  # stopped at max_tokens without sampling an EOS
-    model_version: int  # version of the weights that sampled every token
-
-
 @dataclass(slots=True)
 class _Request:
     prompt_ids: list[int]
+    key: tuple[int, ...]  # the prompt, as the key of its shared prefill
     max_tokens: int
     seed: int | None
     future: asyncio.Future
@@ -103,13 +93,20 @@ class _Request:
 
 
 class EmbeddedGenerator:
-    """Samples completions from a policy on CPU, batching concurrent requests; the rollout child's generator.
+    """Samples completions from a policy on CPU, batching concurrent requests continuously; the rollout child's generator.
 
-    It owns its model (eval mode, no autograd) and runs it on one worker thread: concurrent `generate` calls made in
-    the same event-loop iteration form one batch, and calls made while a batch runs form the next. Each completion
-    stops at its first EOS id (included) or at its `max_tokens`. Before each batch the worker applies weights the
-    trainer published through `weight_receiver`; `applied_version` then changes, and outputs carry the version
-    that sampled them. A model built without weights (`PolicySpec(config=...)`) waits for the first sync.
+    It owns its model (eval mode, no autograd) and runs it on one worker thread, one step at a time: every running
+    completion samples one token per step, a request made meanwhile joins at the next step (up to `max_batch_size`
+    running), and a completion leaves as soon as it samples an EOS id (included), completes a stop string (its last
+    token included) or reaches its `max_tokens`. Requests with the same prompt (a GRPO group) share one prefill.
+    Between steps the worker applies weights the trainer published through `weight_receiver`: `applied_version`
+    changes and the next tokens of every running completion are sampled by them. An output's `token_versions` say
+    which version sampled each token and its `model_version` is the oldest (the one that prefilled its prompt). A
+    model built without weights (`PolicySpec(config=...)`) waits for the first sync.
+
+    Sampling follows vLLM's order and its `processed_logprobs`: repetition penalty, temperature, min-p, top-k, top-p
+    (`process_logits`); each logprob is that of the distribution its token was drawn from. Runs Llama-family decoders
+    (`decoder.SUPPORTED_MODEL_TYPES`).
 
     Call `generate` from one event loop at a time. `close()` (or the context manager) stops the thread.
 
@@ -120,16 +117,22 @@ class EmbeddedGenerator:
         temperature: sampling temperature; 0 means greedy (its logprobs are then those of `log_softmax(logits)`).
         top_p: nucleus mass kept, in (0, 1].
         top_k: tokens kept by rank; 0 or -1 keep all.
+        min_p: drop tokens less likely than `min_p` times the most likely one, in [0, 1]; None keeps all.
+        repetition_penalty: > 0; above 1 discourages tokens already in the prompt or the completion (1 is off).
+        stop: strings that end a completion when its text contains one (the completion keeps the token that
+            completed it and is not truncated).
+        tokenizer: the policy's tokenizer (or its `load_tokenizer` name), to find stop strings; default: that of a
+            named policy.
         max_tokens: default cap on sampled tokens per call.
-        max_batch_size: most requests in one batch.
+        max_batch_size: most completions decoding at once.
         weight_receiver: the generator side of a `SharedMemoryWeightTransfer` (`transfer.receiver()`).
         model_version: version of the weights the model starts with (ignored until a sync, for a config-only model).
         seed: seeds the sampling of requests that pass no seed of their own; None draws a random seed.
         num_threads: if set, `torch.set_num_threads(num_threads)`, which applies to the whole process.
 
     Raises:
-        ValueError: a sampling option out of range (all problems in one message), or a model without weights and
-            no `weight_receiver`.
+        ValueError: a sampling option out of range (all problems in one message), a model without weights and no
+            `weight_receiver`, stop strings without a tokenizer, or a model type it cannot run.
 
     Example::
 
@@ -147,6 +150,10 @@ class EmbeddedGenerator:
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        stop: Sequence[str] | None = None,
+        tokenizer: Any = None,
         max_tokens: int = 256,
         max_batch_size: int = 64,
         weight_receiver: SharedMemoryWeightReceiver | None = None,
@@ -158,6 +165,9 @@ class EmbeddedGenerator:
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            stop=stop,
             max_tokens=max_tokens,
             max_batch_size=max_batch_size,
             num_threads=num_threads,
@@ -170,25 +180,33 @@ class EmbeddedGenerator:
                 "`EmbeddedGenerator(model=PolicySpec(config=...))` has no weights and no `weight_receiver` to get "
                 "them from. Pass `weight_receiver=transfer.receiver()`, or a `PolicySpec(name=...)`."
             )
+        stops = _stop_strings(stop, tokenizer, model)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self._model = (model.build() if isinstance(model, PolicySpec) else model).eval()
+        check_supported(self._model)
         self._vocab_size = self._model.get_input_embeddings().num_embeddings
         self._eos = frozenset(_default_eos(self._model) if eos_token_ids is None else _as_ids(eos_token_ids))
-        self._cache_kwarg = (
-            "cache" if "cache" in inspect.signature(self._model.forward).parameters else "past_key_values"
-        )
-        self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
+        self.sampling = SamplingOptions(float(temperature), int(top_k), float(top_p), min_p, float(repetition_penalty))
         self.max_tokens, self.max_batch_size = max_tokens, max_batch_size
         self._receiver = weight_receiver
         self._has_weights = has_weights
         self._applied_version = model_version
-        self._rng = torch.Generator()
+        rng = torch.Generator()
         if seed is None:
-            self._rng.seed()
+            rng.seed()
         else:
-            self._rng.manual_seed(seed)
-        self._counters = dict.fromkeys(("batches", "requests", "tokens", "weight_syncs"), 0)
+            rng.manual_seed(seed)
+        self._batch = ContinuousBatch(
+            self._model,
+            sampling=self.sampling,
+            eos_token_ids=self._eos,
+            stop=stops,
+            max_rows=max_batch_size,
+            rng=rng,
+            packed=packing_available(self._model.dtype),
+        )
+        self._weight_syncs = 0
         self._staged: list[_Request] = []
         self._queue: deque[_Request] = deque()
         self._cond = threading.Condition()
@@ -206,12 +224,14 @@ class EmbeddedGenerator:
 
     @property
     def applied_version(self) -> int:
-        """Version of the weights in the model now; the next batch samples with them (or with newer ones)."""
+        """Version of the weights in the model now; the next step samples with them (or with newer ones)."""
         return self._applied_version
 
     def metrics(self) -> dict[str, float]:
-        """Counters since start: batches run, requests served, tokens sampled, weight syncs applied."""
-        return {f"generation/{key}_total": float(value) for key, value in self._counters.items()}
+        """Counters since start: steps run, requests served, tokens sampled, prompts prefilled and their tokens,
+        weight syncs applied."""
+        counters = {**self._batch.counters, "weight_syncs": self._weight_syncs}
+        return {f"generation/{key}_total": float(value) for key, value in counters.items()}
 
     async def generate(
         self, prompt_ids: list[int], max_tokens: int | None = None, *, seed: int | None = None
@@ -221,7 +241,7 @@ class EmbeddedGenerator:
         Args:
             prompt_ids: the prompt's token ids (non-empty, inside the vocabulary).
             max_tokens: cap on sampled tokens for this call; default the generator's `max_tokens`.
-            seed: makes this request's samples reproducible, whatever else is in its batch.
+            seed: makes this request's samples reproducible, whatever else is in the batch.
 
         Raises:
             ValueError: an empty prompt, an id outside the vocabulary, or `max_tokens` < 1.
@@ -232,15 +252,16 @@ class EmbeddedGenerator:
         if self._closed:
             raise RuntimeError("`EmbeddedGenerator.generate()` called after `close()`.")
         loop = asyncio.get_running_loop()
-        request = _Request(list(prompt_ids), max_tokens, seed, loop.create_future(), loop)
-        # Requests made in this loop iteration are handed over together, so they share one batch.
+        ids = [int(i) for i in prompt_ids]
+        request = _Request(ids, tuple(ids), max_tokens, seed, loop.create_future(), loop)
+        # Requests made in this loop iteration are handed over together, so they join the same step.
         self._staged.append(request)
         if len(self._staged) == 1:
             loop.call_soon(self._hand_over)
         return await request.future
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the worker thread (a running batch stops at its next token); waiting callers get RuntimeError."""
+        """Stop the worker thread (at its next step); waiting and running callers get RuntimeError."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -280,27 +301,31 @@ class EmbeddedGenerator:
             _resolve(request, error=RuntimeError("EmbeddedGenerator was closed."))
 
     def _serve(self) -> None:
+        waiting: deque[_Request] = deque()
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while not (self._queue or waiting or self._batch.rows or self._closed):
                     self._cond.wait()
                 if self._closed:
                     break
-                batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_size))]
-            batch = [request for request in batch if not request.future.done()]  # skip callers that gave up
-            if not batch:
+                waiting.extend(self._queue)
+                self._queue.clear()
+            if any(request.future.done() for request in waiting):  # callers that gave up
+                waiting = deque(request for request in waiting if not request.future.done())
+            self._batch.discard(lambda request: request.future.done())
+            if not (waiting or self._batch.rows):
                 continue
             try:
                 self._apply_weights()
-                outputs = self._sample_batch(batch)
-            except BaseException as error:  # noqa: BLE001 -- handed to every caller of the batch
-                for request in batch:
+                finished = self._batch.step(waiting, self._applied_version)
+            except BaseException as error:  # noqa: BLE001 -- handed to every caller in the batch
+                for request in self._batch.abort():
                     _resolve(request, error=error)
                 continue
-            for request, output in zip(batch, outputs, strict=True):
+            for request, output in finished:
                 _resolve(request, output)
         with self._cond:
-            left = list(self._queue)
+            left = [*self._batch.abort(), *waiting, *self._queue]
             self._queue.clear()
         for request in left:
             _resolve(request, error=RuntimeError("EmbeddedGenerator was closed."))
@@ -312,9 +337,10 @@ class EmbeddedGenerator:
         while True:
             version = self._receiver.poll(self._model)
             if version is not None:
+                self._batch.weights_changed()
                 self._applied_version = version
                 self._has_weights = True
-                self._counters["weight_syncs"] += 1
+                self._weight_syncs += 1
                 log.debug("EmbeddedGenerator applied the weights of version %d", version)
                 return
             if self._has_weights:
@@ -324,93 +350,18 @@ class EmbeddedGenerator:
                     raise RuntimeError("EmbeddedGenerator was closed before the trainer's first weight sync arrived.")
                 self._cond.wait(WEIGHT_POLL_S)
 
-    @torch.inference_mode()
-    def _sample_batch(self, batch: list[_Request]) -> list[GenerationOutput]:
-        """Sample every request of `batch` to its EOS or its max_tokens in one batched loop over a KV cache."""
-        from transformers import DynamicCache
-
-        limits = [request.max_tokens for request in batch]
-        input_ids, prompt_mask = _left_pad([request.prompt_ids for request in batch])
-        width = prompt_mask.shape[1]
-        # the mask of every step, allocated once: step t attends to the first width + t columns
-        mask = torch.cat([prompt_mask, prompt_mask.new_ones(len(batch), max(limits))], dim=1)
-        positions = (prompt_mask.cumsum(-1) - 1).clamp_(min=0)
-        cache = DynamicCache(config=self._model.config)
-        logits = self._forward(input_ids, prompt_mask, positions, cache, logits_to_keep=1)
-        next_position = positions[:, -1]
-        generators = [_seeded(request.seed) for request in batch]
-        tokens: list[list[int]] = [[] for _ in batch]
-        logprobs: list[list[float]] = [[] for _ in batch]
-        rows = list(range(len(batch)))  # request index of each row still in the batch
-        done = [False] * len(batch)
-        while True:
-            if self._closed:
-                raise RuntimeError("EmbeddedGenerator was closed during generation.")
-            token, token_logprob = self._sample_step(logits, [generators[r] for r in rows])
-            for r, t, lp in zip(rows, token.tolist(), token_logprob.tolist(), strict=True):
-                if done[r]:
-                    continue
-                tokens[r].append(t)
-                logprobs[r].append(lp)
-                done[r] = t in self._eos or len(tokens[r]) >= limits[r]
-            live = [i for i, r in enumerate(rows) if not done[r]]
-            if not live:
-                break
-            if len(rows) - len(live) >= _COMPACT_FRAC * len(rows):
-                keep = torch.tensor(live)
-                cache.batch_select_indices(keep)
-                mask, next_position, token = mask[keep], next_position[keep], token[keep]
-                rows = [rows[i] for i in live]
-            next_position = next_position + 1
-            width += 1
-            logits = self._forward(token[:, None], mask[:, :width], next_position[:, None], cache)
-        self._counters["batches"] += 1
-        self._counters["requests"] += len(batch)
-        self._counters["tokens"] += sum(map(len, tokens))
-        return [
-            GenerationOutput(ids, lps, truncated=ids[-1] not in self._eos, model_version=self._applied_version)
-            for ids, lps in zip(tokens, logprobs, strict=True)
-        ]
-
-    def _forward(self, input_ids, mask, positions, cache, logits_to_keep: int = 0) -> torch.Tensor:
-        kwargs = {self._cache_kwarg: cache}
-        out = self._model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            **kwargs,
-        )
-        return out.logits[:, -1]
-
-    def _sample_step(
-        self, logits: torch.Tensor, generators: list[torch.Generator | None]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, vocab) logits -> the sampled token of each row and its logprob."""
-        if self.temperature == 0.0:
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            token = logprobs.argmax(dim=-1)
-        else:
-            logprobs = process_logits(logits, self.temperature, self.top_k, self.top_p)
-            uniform = torch.rand(len(generators), generator=self._rng)
-            for row, generator in enumerate(generators):
-                if generator is not None:
-                    uniform[row] = torch.rand((), generator=generator)
-            token = sample_from_logprobs(logprobs, uniform)
-        return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
-
 
 class GeneratorSpec:
     """How to build an `EmbeddedGenerator` in the rollout child: its arguments, without the model's weights.
 
     Takes exactly `EmbeddedGenerator`'s arguments (the policy as a `PolicySpec` or a `load_policy` name, then its
-    keyword options) and checks them here, against its signature and ranges, so a bad value fails in the trainer
-    before the child is spawned. It pickles in microseconds; `build()` runs in the child.
+    keyword options) and checks them here, against its signature and ranges (and a config-only policy's model type),
+    so a bad value fails in the trainer before the child is spawned. It pickles in microseconds (plus the tokenizer,
+    when stop strings need one); `build()` runs in the child.
 
     Raises:
         TypeError: an argument `EmbeddedGenerator` does not take.
-        ValueError: an option out of range (all problems in one message).
+        ValueError: an option out of range (all problems in one message), or a model type the generator cannot run.
 
     Example::
 
@@ -428,6 +379,8 @@ class GeneratorSpec:
         bound.apply_defaults()
         _check_options(**{name: bound.arguments[name] for name in _CHECKED})
         self.policy = PolicySpec(name=policy) if isinstance(policy, str) else policy
+        if self.policy.config is not None:
+            check_supported(self.policy.config)
         self.options = options
 
     def build(self) -> EmbeddedGenerator:
@@ -439,11 +392,30 @@ class GeneratorSpec:
         return f"GeneratorSpec({self.policy!r}, {options})"
 
 
-_CHECKED = ("temperature", "top_p", "top_k", "max_tokens", "max_batch_size", "num_threads")
+_CHECKED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "stop",
+    "max_tokens",
+    "max_batch_size",
+    "num_threads",
+)
 
 
 def _check_options(
-    *, temperature: float, top_p: float, top_k: int, max_tokens: int, max_batch_size: int, num_threads: int | None
+    *,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: float | None,
+    repetition_penalty: float,
+    stop: Sequence[str] | None,
+    max_tokens: int,
+    max_batch_size: int,
+    num_threads: int | None,
 ) -> None:
     problems = []
     if not temperature >= 0:
@@ -452,6 +424,14 @@ def _check_options(
         problems.append(f"top_p={top_p} must be in (0, 1]")
     if top_k < -1:
         problems.append(f"top_k={top_k} must be >= 0 (0 or -1 = no top-k)")
+    if min_p is not None and not 0 <= min_p <= 1:
+        problems.append(f"min_p={min_p} must be in [0, 1] (or None)")
+    if not repetition_penalty > 0:
+        problems.append(f"repetition_penalty={repetition_penalty} must be > 0 (1 = off)")
+    try:
+        check_stop(stop)
+    except ValueError as error:
+        problems.append(str(error))
     if max_tokens < 1:
         problems.append(f"max_tokens={max_tokens} must be >= 1")
     if max_batch_size < 1:
@@ -460,6 +440,23 @@ def _check_options(
         problems.append(f"num_threads={num_threads} must be >= 1")
     if problems:
         raise ValueError(f"`EmbeddedGenerator(...)`: {'; '.join(problems)}.")
+
+
+def _stop_strings(stop: Sequence[str] | None, tokenizer: Any, model: Any) -> StopStrings | None:
+    """The stop-string finder, with the tokenizer given, named, or that of a named policy."""
+    if not stop:
+        return None
+    if tokenizer is None and isinstance(model, PolicySpec) and model.name is not None:
+        tokenizer = model.name
+    if tokenizer is None:
+        raise ValueError(
+            "`EmbeddedGenerator(stop=...)` needs the policy's tokenizer to find stop strings: pass `tokenizer=`."
+        )
+    if isinstance(tokenizer, str):
+        from ..models import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer)
+    return StopStrings(stop, tokenizer)
 
 
 def _as_ids(ids: int | Sequence[int] | None) -> list[int]:
@@ -472,18 +469,6 @@ def _default_eos(model: PreTrainedModel) -> list[int]:
     generation_config = getattr(model, "generation_config", None)
     ids = _as_ids(getattr(generation_config, "eos_token_id", None))
     return ids or _as_ids(getattr(model.config, "eos_token_id", None))
-
-
-def _left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch, width) ids and attention mask, prompts aligned right; the pad id is 0 (masked, never attended)."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], dtype=torch.long)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
-    return ids, mask
-
-
-def _seeded(seed: int | None) -> torch.Generator | None:
-    return None if seed is None else torch.Generator().manual_seed(seed)
 
 
 def _resolve(request: _Request, output: GenerationOutput | None = None, error: BaseException | None = None) -> None:

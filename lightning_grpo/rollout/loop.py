@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,7 @@ from .advantages import compute_group_advantages, learning_signal
 from .records import LEARNING_SIGNAL, SCORE_PAYLOAD, RolloutSample
 from .reward_pool import RewardProcessPool
 from .schedule import GroupSchedule
+from .stop_strings import check_stop
 from .vllm_requests import VLLMRequests
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,10 @@ IDLE_POLL_S = 0.05
 
 # Versions of the weights that sampled each turn of the rollout running in the current asyncio task.
 _turn_versions: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("turn_versions", default=None)
+# Whether each turn of that rollout stopped at its token limit (None: the generator did not say).
+_turn_truncations: contextvars.ContextVar[list[bool | None] | None] = contextvars.ContextVar(
+    "turn_truncations", default=None
+)
 
 
 @dataclass(slots=True)
@@ -59,6 +64,14 @@ class _Rollout:
     rollout_reward: float | None
     env_reward: tuple[type, float] | None
     model_version: int | None  # oldest weights that sampled a turn (embedded generator); None: unknown
+    truncated: bool | None = None  # the last turn stopped at its token limit; None: unknown (judged by its EOS)
+
+
+@dataclass(slots=True)
+class _Group(RolloutGroup):
+    """TRL's group record plus whether each completion was truncated (an EOS id or a stop string ended it, or not)."""
+
+    truncated: list[bool | None] = field(default_factory=list)
 
 
 class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
@@ -98,6 +111,8 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         trainer_scored: leave advantages pending for trainer scorers.
         reward_timeout: wall-clock seconds one reward call may take before it scores NaN.
         generator: `None` for TRL's vLLM HTTP path, or an embedded-generator spec (see `generation.py`).
+        stop: stop strings: a completion ends when its text contains one, as at an EOS id (sent to vLLM as `stop`;
+            the embedded generator gets them from its spec).
         epochs: passes over the prompts in the group schedule.
         seed: seeds each epoch's prompt order.
         shuffle: False keeps dataset order in every epoch.
@@ -105,7 +120,8 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         groups_per_step: prompt groups per optimizer step, the pacing unit; None disables pacing.
         max_staleness: policy versions a group may lag when it trains; pacing keeps groups within it.
         **kwargs: TRL's `_AsyncRolloutLoop` arguments (model_name, dataset, reward_funcs, processing_class,
-            eos_token_ids, num_generations, max_inflight_tasks, max_tokens, temperature, top_p, top_k, ...).
+            eos_token_ids, num_generations, max_inflight_tasks, max_tokens, temperature, top_p, top_k, min_p,
+            repetition_penalty, ...).
     """
 
     #: Set by subclasses that score each rollout in `_generate_one` (one more reward column).
@@ -125,6 +141,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         trainer_scored: bool = False,
         reward_timeout: float = 60.0,
         generator: Any = None,
+        stop: Iterable[str] | None = None,
         epochs: int = 1,
         seed: int = 0,
         shuffle: bool = True,
@@ -137,6 +154,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         tokenizer = kwargs["processing_class"]
         _ensure_response_parser(tokenizer, needs_tools=bool(kwargs.get("tools") or kwargs.get("environment_factory")))
         super().__init__(**kwargs)
+        self.vllm_stop = check_stop(stop)
         self.reward_func_names = [*self.reward_func_names]
         if self._provides_rollout_reward:
             self.reward_func_names.append(self._rollout_reward_name)
@@ -252,7 +270,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
 
     def _start_group(self, group_id: int, inflight: dict[asyncio.Task, int]) -> tuple[RolloutGroup, list[_Rollout]]:
         row = self.dataset[self._schedule.prompt_index(group_id)]
-        group = RolloutGroup(
+        group = _Group(
             prompts=[],
             reward_kwargs={
                 key: [row[key]] * self.num_generations
@@ -295,6 +313,8 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         env_name = row.get("environment") if self._multi_environment else None
         versions: list[int] = []
         _turn_versions.set(versions)  # this task's own context: concurrent rollouts do not see it
+        truncations: list[bool | None] = []
+        _turn_truncations.set(truncations)
         environment, observation = await self._draw_environment(env_name, row)
         try:
             prompt = _with_observation(_prompt_of(row, environment), observation)
@@ -308,8 +328,18 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
             if environment is not None:
                 self._environment_pool[env_name].append(environment)
         version = min(versions) if versions else None
+        truncated = truncations[-1] if truncations else None
         return _Rollout(
-            prompt, completion, completion_ids, sequences, calls, failures, rollout_reward, env_reward, version
+            prompt,
+            completion,
+            completion_ids,
+            sequences,
+            calls,
+            failures,
+            rollout_reward,
+            env_reward,
+            version,
+            truncated,
         )
 
     async def _draw_environment(self, name: Any, row: dict[str, Any]) -> tuple[Any, Any]:
@@ -369,12 +399,18 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         return [{"role": "assistant", "content": text}], list(ids), sequences, 0, 0, None
 
     async def _generate_one_turn(self, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+        truncations = _turn_truncations.get()
         if self._generator is None:
-            return await super()._generate_one_turn(prompt_ids)
+            ids, logprobs, truncated = await self._vllm_turn(prompt_ids)
+            if truncations is not None:
+                truncations.append(truncated)
+            return ids, logprobs
         output = await self._generator.generate(prompt_ids)
         versions = _turn_versions.get()
         if versions is not None:
             versions.append(output.model_version)
+        if truncations is not None:
+            truncations.append(output.truncated)
         return list(output.token_ids), list(output.logprobs)
 
     # -- scoring -----------------------------------------------------------------------------------------------------
@@ -474,7 +510,9 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
                 "reward_std": reward_std,
                 **{f"rewards/{name}": float(columns[j, i]) for j, name in enumerate(self.reward_func_names)},
             }
-            truncated = not completion_ids or completion_ids[-1] not in eos
+            truncated = group.truncated[i] if isinstance(group, _Group) else None
+            if truncated is None:
+                truncated = not completion_ids or completion_ids[-1] not in eos
             sample_extras = extras if signal is None else {**extras, LEARNING_SIGNAL: float(signal[i])}
             for sequence in sequences:
                 samples.append(
@@ -526,6 +564,8 @@ def _assemble(group: RolloutGroup, rollouts: list[_Rollout]) -> RolloutGroup:
         group.tool_failure_counts.append(rollout.tool_failures)
         group.rollout_rewards.append(rollout.rollout_reward)
         group.env_rewards.append(rollout.env_reward)
+        if isinstance(group, _Group):
+            group.truncated.append(rollout.truncated)
     return group
 
 

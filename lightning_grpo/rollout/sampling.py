@@ -11,25 +11,50 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    *,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    seen: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Log-probabilities of the distribution tokens are sampled from, as vLLM's `processed_logprobs`.
 
-    `logits / temperature`, then keep the `top_k` largest (0 = all), then the smallest set of those whose
-    probability reaches `top_p`, renormalized. With `top_k=0` and `top_p=1` this is `log_softmax(logits /
-    temperature)`, which is what the trainer recomputes.
+    In vLLM's order: the repetition penalty on the raw logits (a positive logit of a token in the prompt or the
+    output so far is divided by it, a negative one multiplied), then `/ temperature`, then `min_p` (drop tokens whose
+    probability is under `min_p` times the largest), then the `top_k` largest (0 = all), then the smallest set of
+    those whose probability reaches `top_p`, renormalized. With the defaults this is `log_softmax(logits /
+    temperature)`, which is what the trainer recomputes. `temperature=0` is greedy: only the penalty applies, and the
+    result is `log_softmax` of the penalized logits (vLLM's greedy logprobs).
 
     Args:
-        logits: (batch, vocab).
-        temperature: > 0.
+        logits: (rows, vocab).
+        temperature: >= 0.
         top_k: tokens kept by rank; 0 or -1 keep all (ties with the k-th value are kept too).
         top_p: probability mass kept, in (0, 1].
+        min_p: in [0, 1]; None or 0 keep all.
+        repetition_penalty: > 0; 1 is off.
+        seen: (rows, vocab) bool, the tokens of each row's prompt and output so far; needed when the penalty is on.
 
     Returns:
-        (batch, vocab) float32 log-probabilities; -inf outside the kept set.
+        (rows, vocab) float32 log-probabilities; -inf outside the kept set.
     """
     scores = logits.float()
+    if repetition_penalty != 1.0:
+        if seen is None:
+            raise ValueError("`process_logits(repetition_penalty=...)` needs `seen`, the tokens each row has seen.")
+        penalized = torch.where(scores > 0, scores / repetition_penalty, scores * repetition_penalty)
+        scores = torch.where(seen, penalized, scores)
+    if temperature == 0.0:
+        return torch.log_softmax(scores, dim=-1)
     if temperature != 1.0:
         scores = scores / temperature
+    if min_p:
+        probs = scores.softmax(dim=-1)
+        scores = scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if 0 < top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -59,6 +84,19 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch
     return token
 
 
+def seen_tokens(prompt_ids: list[int], completion_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """(len(completion_ids), vocab) bool: row t marks the prompt's tokens and the first t completion tokens, the set
+    `repetition_penalty` applies to when completion token t is sampled."""
+    steps = len(completion_ids)
+    seen = torch.zeros(steps, vocab_size, dtype=torch.bool)
+    seen[:, torch.tensor(list(prompt_ids), dtype=torch.long)] = True
+    if steps > 1:
+        earlier = torch.zeros(steps, vocab_size, dtype=torch.int32)
+        earlier[torch.arange(1, steps), torch.tensor(completion_ids[:-1], dtype=torch.long)] = 1
+        seen |= earlier.cumsum(dim=0) > 0
+    return seen
+
+
 def teacher_forced_logprobs(
     model: PreTrainedModel,
     prompt_ids: list[int],
@@ -66,14 +104,21 @@ def teacher_forced_logprobs(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    *,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
 ) -> torch.Tensor:
     """Logprobs of `completion_ids` after `prompt_ids` under `model` in one full forward (no cache, no padding).
 
     The reference a generator's logprobs are checked against: (len(completion_ids),) float32, -inf for a token
-    outside the `top_k`/`top_p` set.
+    outside the kept set; each position processed as `process_logits` does it (the penalty over the prompt and the
+    completion tokens before it).
     """
     ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
     with torch.inference_mode():
         logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1]
-    logprobs = process_logits(logits, temperature, top_k, top_p)
+    seen = seen_tokens(prompt_ids, completion_ids, logits.shape[-1]) if repetition_penalty != 1.0 else None
+    logprobs = process_logits(
+        logits, temperature, top_k, top_p, min_p=min_p, repetition_penalty=repetition_penalty, seen=seen
+    )
     return logprobs.gather(-1, torch.tensor(completion_ids)[:, None]).squeeze(-1)

@@ -4,12 +4,13 @@
 (`init_weight_transfer`, `pause`, `send_weights`, `resume`, `destroy`). It allocates one shared-memory block once,
 sized from the model's parameters: a 64-byte header (sequence number, version, a valid flag), then every tensor at a
 64-byte aligned offset. `SharedMemoryWeightReceiver` is the generator side: a small picklable object (the block's
-name, the lock file's path and the manifest) that the embedded generator polls between generate batches.
+name, the lock file's path and the manifest) that the embedded generator polls between decode steps.
 
 A sync is `pause()` (take the lock, waiting for a copy in progress to finish), `send_weights(named_tensors,
 version)` (memcpy into the block), `resume()` (publish: bump the sequence number, set the version, release the
-lock). Before each batch the generator sees the new sequence number, copies the block into its model under the lock
-and from then on tags its samples with the new version; a batch never mixes weights. Both copies are one-thread
+lock). Before its next decode step the generator sees the new sequence number, copies the block into its model under
+the lock and samples every next token with it; each completion is tagged with the oldest version that sampled any of
+its tokens. Both copies are one-thread
 memcpys, or casting copies where dtypes differ.
 
 The lock is an `flock` on the block's file (`/dev/shm/<name>` on Linux; elsewhere a small file in the temp folder),
@@ -190,8 +191,8 @@ class SharedMemoryWeightTransfer:
     skipped. A tensor is cast to the manifest's dtype on the copy.
 
     Hand the generator its side with `receiver()` before the rollout child is spawned; it pickles in microseconds.
-    The generator applies a sync between generate batches, so samples carry the new version only once their
-    tokens were sampled with the new weights. `pause()` does not stop generation (unlike vLLM's pause): it only keeps
+    The generator applies a sync between two decode steps, so a completion carries the new version only when all of
+    its tokens were sampled with the new weights (one that was running carries the older version). `pause()` does not stop generation (unlike vLLM's pause): it only keeps
     the generator from copying while the buffers are written.
 
     Args:

@@ -1,0 +1,267 @@
+"""One forward of a Llama-style causal LM over a continuous batch: running rows decode one token each while new
+prompts are prefilled, all in the same pass, over a KV cache laid out in slots.
+
+The embedded generator's engine (see `batching.py`). Every linear layer sees all tokens of the step at once, so the
+weights are read from memory once per step whatever the mix of decoding rows and prompts; only attention is split:
+each decoding row attends to its own slot of the cache (a row of fixed capacity, lengths masked), each prompt
+attends causally to itself. A prompt's keys and values come back as a `Prefix`, which the caller writes into the
+slot of every sample of that prompt (one prefill per distinct prompt, whatever the group size).
+
+The modules are the Hugging Face model's own (embeddings, norms, projections, MLP, rotary embedding, LM head), so
+weights copied into the model in place are used at the next step and the arithmetic is the model's; only the cache
+and the attention over it are ours. Supported: the Llama family of decoders (`SUPPORTED_MODEL_TYPES`).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+#: `config.model_type`s whose decoder layers are Llama's (pre-norm attention with rotary embeddings, then an MLP).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Cache slots and positions grow in these steps: each growth copies the whole cache once.
+_SLOT_STEP = 8
+_POSITION_STEP = 64
+# The batch size oneDNN lays packed weights out for (it serves any batch size), and the smallest LM head worth packing
+# (a vocabulary of thousands of tokens; smaller layers run slower packed, measured on fp32 CPUs).
+_PACK_ROWS = 32
+_PACK_MIN_NUMEL = 1 << 22
+
+
+class _Linear:
+    """A `nn.Linear` of the model, run through oneDNN with its weight pre-packed when asked (about twice as fast as
+    the default CPU GEMM for a vocabulary-sized LM head, slower for small layers). `pack()` re-packs after the
+    module's weight changed in place."""
+
+    def __init__(self, module: torch.nn.Linear, packed: bool) -> None:
+        self.module = module
+        self._packed: torch.Tensor | None = None
+        self._use_packed = packed
+        self.pack()
+
+    def pack(self) -> None:
+        if self._use_packed:
+            with torch.inference_mode():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.module.weight.detach(), _PACK_ROWS)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is None:
+            return self.module(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.module.bias, "none", [], "")
+
+
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether torch can run fp32 linear layers through oneDNN with pre-packed weights on this CPU."""
+    ops = torch.ops.mkldnn
+    return (
+        dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    """A prompt's keys and values in every layer and the logits after its last token, computed once."""
+
+    keys: tuple[torch.Tensor, ...]  # per layer (kv_heads, prompt_len, head_dim)
+    values: tuple[torch.Tensor, ...]
+    logits: torch.Tensor  # (vocab,) raw logits of the first completion token
+    length: int
+
+
+def check_supported(model: PreTrainedModel | dict) -> None:
+    """Raise a `ValueError` naming the model type when `SlotDecoder` cannot run `model` (a model or its config dict)."""
+    config = model if isinstance(model, dict) else model.config.to_dict()
+    model_type = config.get("model_type")
+    sliding = model_type == "mistral" and config.get("sliding_window") is not None
+    sliding = sliding or bool(config.get("use_sliding_window", False))
+    if model_type not in SUPPORTED_MODEL_TYPES or sliding:
+        what = f"model_type={model_type!r}" + (" with a sliding attention window" if sliding else "")
+        raise ValueError(
+            f"The embedded generator runs Llama-family decoders ({', '.join(SUPPORTED_MODEL_TYPES)}, full attention); "
+            f"got {what}. Generate on a vLLM server instead: `GRPODataModule(generator='vllm', ...)`."
+        )
+
+
+class SlotDecoder:
+    """Runs `model` one step at a time over decoding rows in cache slots `0..rows-1` and prompts to prefill.
+
+    Slots hold one sequence each (prompt, then sampled tokens) up to a capacity that grows on demand; `lengths[s]` is
+    how many positions of slot `s` are filled. The caller keeps its rows compact in slots `0..rows-1` (`move` fills a
+    hole) and reserves room before a step (`reserve`).
+
+    Args:
+        model: a causal LM of a supported type (`check_supported`), in eval mode.
+        packed: run a large LM head through oneDNN with pre-packed weights (`packing_available`); call `repack()`
+            after the model's weights change.
+    """
+
+    def __init__(self, model: PreTrainedModel, packed: bool = False) -> None:
+        check_supported(model)
+        base = model.model
+        config = model.config
+        self._embed, self._norm, self._rotary = base.embed_tokens, base.norm, base.rotary_emb
+        self._layers = list(base.layers)[: config.num_hidden_layers]
+        head = model.lm_head
+        self._head = _Linear(head, packed and head.weight.numel() >= _PACK_MIN_NUMEL)
+        attention = self._layers[0].self_attn
+        self._rope = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the model's own rotation
+        self._qk_norm = hasattr(attention, "q_norm")
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = attention.head_dim
+        self._scale = attention.scaling
+        self._dtype = self._embed.weight.dtype
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self.lengths = torch.zeros(0, dtype=torch.long)
+
+    def repack(self) -> None:
+        """Re-pack the LM head's weight after it was changed in place (a weight sync)."""
+        self._head.pack()
+
+    @property
+    def slots(self) -> int:
+        return self.lengths.numel()
+
+    @property
+    def capacity(self) -> int:
+        return self._keys[0].shape[2] if self._keys else 0
+
+    @torch.inference_mode()
+    def reserve(self, slots: int, capacity: int) -> None:
+        """Make room for `slots` sequences of up to `capacity` positions (keeps what the slots hold)."""
+        if slots <= self.slots and capacity <= self.capacity:
+            return
+        slots = max(self.slots, -(-slots // _SLOT_STEP) * _SLOT_STEP)
+        capacity = max(self.capacity, -(-capacity // _POSITION_STEP) * _POSITION_STEP)
+        shape = (slots, self.kv_heads, capacity, self.head_dim)
+        old_slots, old_capacity = self.slots, self.capacity
+        for cache in (self._keys, self._values):
+            for layer in range(len(self._layers)):
+                grown = torch.zeros(shape, dtype=self._dtype)
+                if cache and old_slots:
+                    grown[:old_slots, :, :old_capacity] = cache[layer]
+                if len(cache) > layer:
+                    cache[layer] = grown
+                else:
+                    cache.append(grown)
+        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(slots - old_slots)])
+
+    @torch.inference_mode()
+    def load(self, prefix: Prefix, slots: list[int]) -> None:
+        """Fill `slots` with `prefix` (their sequences restart as that prompt)."""
+        index = torch.tensor(slots, dtype=torch.long)
+        for layer in range(len(self._layers)):
+            self._keys[layer][index, :, : prefix.length] = prefix.keys[layer]
+            self._values[layer][index, :, : prefix.length] = prefix.values[layer]
+        self.lengths[index] = prefix.length
+
+    @torch.inference_mode()
+    def move(self, source: int, target: int) -> None:
+        """Copy slot `source`'s sequence into slot `target` (to keep the rows compact)."""
+        length = int(self.lengths[source])
+        for cache in (self._keys, self._values):
+            for layer_cache in cache:
+                layer_cache[target, :, :length] = layer_cache[source, :, :length]
+        self.lengths[target] = length
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, prompts: list[list[int]]) -> tuple[torch.Tensor, list[Prefix]]:
+        """One forward: slot `i < len(tokens)` consumes `tokens[i]`; each prompt is prefilled.
+
+        Args:
+            tokens: (rows,) the last sampled token of the rows in slots `0..rows-1`, whose keys and values are
+                appended to their slots.
+            prompts: token ids of prompts to prefill (not written to any slot; see `load`).
+
+        Returns:
+            the logits after each row's token (rows, vocab), and each prompt's `Prefix`.
+        """
+        rows = tokens.numel()
+        lengths = self.lengths[:rows]
+        prompt_ids = [torch.tensor(p, dtype=torch.long) for p in prompts]
+        ids = torch.cat([tokens.long(), *prompt_ids])
+        positions = torch.cat([lengths, *(torch.arange(len(p)) for p in prompts)])
+        spans, start = [], rows
+        for prompt in prompts:
+            spans.append((start, start + len(prompt)))
+            start += len(prompt)
+        hidden = self._embed(ids)  # (tokens, hidden)
+        cos, sin = self._rotary(hidden, positions[None])
+        cos, sin = cos[0], sin[0]  # (tokens, head_dim)
+        mask = self._row_mask(lengths)
+        prompt_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
+        for index, layer in enumerate(self._layers):
+            hidden = hidden + self._attention(index, layer, hidden, cos, sin, mask, spans, prompt_kv)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        last = torch.tensor([*range(rows), *(end - 1 for _, end in spans)], dtype=torch.long)
+        logits = self._head(self._norm(hidden[last])).float()
+        self.lengths[:rows] += 1
+        prefixes = [
+            Prefix(
+                keys=tuple(k for k, _ in layers),
+                values=tuple(v for _, v in layers),
+                logits=logits[rows + i],
+                length=len(prompts[i]),
+            )
+            for i, layers in enumerate(prompt_kv)
+        ]
+        return logits[:rows], prefixes
+
+    def _row_mask(self, lengths: torch.Tensor) -> torch.Tensor | None:
+        """(rows, 1, 1, width) additive mask over the slot positions each row attends to (its length + 1)."""
+        if lengths.numel() == 0:
+            return None
+        width = int(lengths.max()) + 1
+        beyond = torch.arange(width)[None, :] > lengths[:, None]
+        return torch.zeros(beyond.shape, dtype=self._dtype).masked_fill_(beyond, float("-inf"))[:, None, None]
+
+    def _attention(self, index, layer, hidden, cos, sin, mask, spans, prompt_kv) -> torch.Tensor:
+        attention = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        count = x.shape[0]
+        q = attention.q_proj(x).view(count, self.heads, self.head_dim)
+        k = attention.k_proj(x).view(count, self.kv_heads, self.head_dim)
+        v = attention.v_proj(x).view(count, self.kv_heads, self.head_dim)
+        if self._qk_norm:
+            q, k = attention.q_norm(q), attention.k_norm(k)
+        q, k = self._rope(q, k, cos, sin, unsqueeze_dim=1)
+        out = torch.empty_like(q)
+        rows = mask.shape[0] if mask is not None else 0
+        if rows:
+            out[:rows] = self._decode_attention(index, q[:rows], k[:rows], v[:rows], mask)
+        for i, (start, end) in enumerate(spans):
+            keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # (kv_heads, len, head_dim)
+            prompt_kv[i].append((keys.contiguous(), values.contiguous()))
+            attended = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1)[None],
+                keys[None],
+                values[None],
+                is_causal=True,
+                scale=self._scale,
+                enable_gqa=self.heads != self.kv_heads,
+            )
+            out[start:end] = attended[0].transpose(0, 1)
+        return attention.o_proj(out.view(count, -1))
+
+    def _decode_attention(self, index, q, k, v, mask) -> torch.Tensor:
+        """Each row's query against its slot: (rows, heads, head_dim) after appending its key and value."""
+        rows, width = q.shape[0], mask.shape[-1]
+        slot, position = torch.arange(rows), self.lengths[:rows]
+        keys, values = self._keys[index], self._values[index]
+        keys[slot, :, position] = k
+        values[slot, :, position] = v
+        # queries grouped by the key/value head they share: (rows, kv_heads, heads per kv head, head_dim)
+        grouped = q.view(rows, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+        scores = torch.matmul(grouped, keys[:rows, :, :width].transpose(-1, -2)).mul_(self._scale).add_(mask)
+        out = torch.matmul(scores.softmax(dim=-1), values[:rows, :, :width])
+        return out.view(rows, self.heads, self.head_dim)
