@@ -119,11 +119,10 @@ class LossStats:
     @classmethod
     def zeros(cls, device: torch.device | str | None = None) -> LossStats:
         """The empty stats (identity of `+`)."""
-        sums = {name: torch.zeros((), device=device) for name in cls._SUMS}
-        lowest = float("-inf")
-        return cls(
-            **sums, low_min_neg=torch.full((), lowest, device=device), high_max=torch.full((), lowest, device=device)
-        )
+        # float32 whatever the default dtype (Lightning's "bf16-true" sets bfloat16 during a step)
+        sums = {name: torch.zeros((), device=device, dtype=torch.float32) for name in cls._SUMS}
+        lowest = torch.full((), float("-inf"), device=device, dtype=torch.float32)
+        return cls(**sums, low_min_neg=lowest, high_max=lowest.clone())
 
 
 def grpo_loss(
@@ -210,7 +209,7 @@ def _per_completion_fractions(
     size = int(segment_id.max()) + 1
 
     def per_completion(values: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(size, device=values.device).index_add_(0, segment_id, values.float())
+        return torch.zeros(size, device=values.device, dtype=torch.float32).index_add_(0, segment_id, values.float())
 
     terms = per_completion(torch.ones_like(low))
     present = terms > 0

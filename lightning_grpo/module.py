@@ -10,11 +10,23 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from peft import LoraConfig
 
 from ._imports import import_object
 from .contract import RolloutContract, require_rollout_source
 from .loss import LossStats, grpo_loss, packed_logprobs
 from .pipeline.batch import StepBatch
+from .policy import (
+    CHECKPOINT_KEY,
+    apply_peft,
+    check_peft_config,
+    drop_frozen_weights,
+    enable_activation_checkpointing,
+    is_peft_model,
+    missing_trainable_keys,
+    policy_record,
+    trainable_parameters,
+)
 from .sharding import check_strategy, gradient_sync, is_sharded, shard_policy
 from .validation import greedy_completions
 
@@ -33,6 +45,13 @@ class GRPOModule(pl.LightningModule):
     log-probabilities, a token mean over the whole step. `validation_step` samples greedy completions of held-out
     prompts and scores them with the data module's reward functions (`val/reward`, `val/rewards/<name>`), so
     `Trainer.validate` and `val_check_interval` work.
+
+    LoRA: with `peft_config` the policy is wrapped with PEFT adapters in `configure_model`; only the adapters train
+    (and are in the optimizer), checkpoints hold the adapters (plus optimizer and run state), not the base weights,
+    and the generator receives merged weights (or the adapter, with `GRPODataModule(vllm_transfer="lora")`).
+    `lightning-grpo export` writes a checkpoint's policy as a Hugging Face folder. `gradient_checkpointing`
+    recomputes activations in the backward; Lightning's `precision="bf16-mixed"` (autocast) and `"bf16-true"` work
+    with the packed forward, the log-probabilities and the loss staying float32.
 
     Several processes: DDP (`strategy="ddp"`), Lightning's FSDP on GPUs (`strategy="fsdp"`), or FSDP2 through
     `ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`, under which `configure_model` shards the
@@ -59,11 +78,18 @@ class GRPOModule(pl.LightningModule):
             `reward_weights`.
         dtype: the policy's dtype when loaded by name.
         val_max_tokens: tokens per greedy validation completion; default the data module's `max_completion_length`.
+        peft_config: a `peft.LoraConfig` to train LoRA adapters instead of the whole policy (in YAML:
+            `class_path: peft.LoraConfig` with `init_args: {r: 16, lora_alpha: 32, target_modules: all-linear}`).
+            Checked here against the policy's modules (a policy given by name: against its config, weightless).
+        gradient_checkpointing: recompute each decoder layer's activations in the backward (less memory, more time).
 
     Raises:
         ValueError: a non-positive `learning_rate`, `epsilon` or `max_grad_norm`, a negative `warmup_steps`,
-            `scorer_weights` of the wrong length; in `setup`, a strategy whose gradients would not be synchronised.
-        TypeError: (in `setup`) a data module that is not a `RolloutSource` (or none).
+            `scorer_weights` of the wrong length, a `peft_config` whose `target_modules` match no module of the
+            policy (the message lists those LoRA can adapt); in `setup`, a strategy whose gradients would not be
+            synchronised; when a checkpoint is restored, one without this policy's adapters.
+        TypeError: a `peft_config` that is not a `peft.LoraConfig`; (in `setup`) a data module that is not a
+            `RolloutSource` (or none).
 
     Example::
 
@@ -86,6 +112,8 @@ class GRPOModule(pl.LightningModule):
         scorer_weights: list[float] | None = None,
         dtype: Literal["float32", "bfloat16"] = "float32",
         val_max_tokens: int | None = None,
+        peft_config: LoraConfig | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         problems = [f"{k}={v}" for k, v in (("learning_rate", learning_rate), ("epsilon", epsilon)) if not v > 0]
@@ -98,7 +126,11 @@ class GRPOModule(pl.LightningModule):
                 f"`GRPOModule({', '.join(problems)})`: learning_rate, epsilon and max_grad_norm must be "
                 "positive, warmup_steps at least 0."
             )
-        self.save_hyperparameters(ignore=["model", "scorers"])
+        if peft_config is not None:
+            check_peft_config(peft_config, model)
+            self.strict_loading = False  # checkpoints hold the adapters, not the base weights
+        self.save_hyperparameters(ignore=["model", "scorers", "peft_config"])  # the config goes in as plain JSON
+        self.peft_config = peft_config
         self.model_name = model if isinstance(model, str) else None
         self.policy: Any = model if isinstance(model, torch.nn.Module) else None
         self.scorers = [_resolve_scorer(scorer) for scorer in scorers or []]
@@ -129,6 +161,10 @@ class GRPOModule(pl.LightningModule):
             from .models import load_policy
 
             self.policy = load_policy(self.model_name, dtype=getattr(torch, self.hparams.dtype))
+        if self.peft_config is not None and not is_peft_model(self.policy):
+            self.policy = apply_peft(self.policy, self.peft_config)
+        if self.hparams.gradient_checkpointing:
+            enable_activation_checkpointing(self.policy)
         self.policy.train()  # loaders return eval mode; Lightning switches to eval and back around validation
         # Training switches the policy to tree attention; greedy validation batches use the loaded implementation.
         if self._generate_attention is None:
@@ -166,11 +202,31 @@ class GRPOModule(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
+            trainable_parameters(self.policy), lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
         )
         warmup = hp.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- checkpoints ------------------------------------------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Describe the policy for `lightning-grpo export`; with LoRA, keep the adapters and drop the base weights."""
+        checkpoint[CHECKPOINT_KEY] = policy_record(self.model_name, self.peft_config, self.hparams.dtype)
+        if self.peft_config is not None and self.policy is not None:
+            checkpoint["state_dict"] = drop_frozen_weights(checkpoint["state_dict"], self.policy, prefix="policy.")
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """With LoRA, refuse a checkpoint that lacks this policy's adapters (the base weights are not in it)."""
+        if self.peft_config is None or self.policy is None:
+            return
+        missing = missing_trainable_keys(checkpoint["state_dict"], self.policy, prefix="policy.")
+        if missing:
+            raise ValueError(
+                f"The checkpoint has no {missing[:3]} ({len(missing)} of the policy's adapter tensors are missing): it "
+                "was not written by a GRPOModule with this `peft_config`. Resume with the `peft_config` (and model) "
+                "it was trained with."
+            )
 
     # -- training ---------------------------------------------------------------------------------------------------
 
@@ -207,7 +263,7 @@ class GRPOModule(pl.LightningModule):
         scheduler = self.lr_schedulers()
         started = time.perf_counter()
         stats = LossStats.zeros()
-        total_loss = torch.zeros(())
+        total_loss = torch.zeros((), dtype=torch.float32)
         last = len(batch.micro_batches) - 1
         for i, micro_batch in enumerate(batch.micro_batches):
             micro_batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
