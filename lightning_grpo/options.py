@@ -37,8 +37,8 @@ def validate_options(hp: Any) -> None:
         problems.append(f"trainer_threads={hp.trainer_threads!r} (a positive number of threads, 'auto' or None)")
     if hp.samples_per_row is not None and hp.samples_per_row < 1:
         problems.append(f"samples_per_row={hp.samples_per_row} (must be at least 1)")
-    if hp.vllm_transfer not in ("auto", "http", "nccl"):
-        problems.append(f"vllm_transfer={hp.vllm_transfer!r} (one of 'auto', 'http', 'nccl')")
+    if hp.vllm_transfer not in ("auto", "http", "nccl", "lora"):
+        problems.append(f"vllm_transfer={hp.vllm_transfer!r} (one of 'auto', 'http', 'nccl', 'lora')")
     if problems:
         raise ValueError(f"GRPODataModule got invalid options: {'; '.join(problems)}.")
 
