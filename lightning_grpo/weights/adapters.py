@@ -49,14 +49,18 @@ def merged_tensor(layer: Any, param: torch.Tensor) -> torch.Tensor:
                 if layer.lora_bias.get(adapter):
                     merged += _full(layer.lora_B[adapter].bias * layer.scaling[adapter]).to(merged.dtype)
             return merged
-        merged = _full(param).clone()
+        merged = _full(param)
         for adapter in _adapters(layer):
             variant = getattr(layer, "lora_variant", {}).get(adapter)
-            if variant is None:
-                merged += _full(layer.get_delta_weight(adapter)).to(merged.dtype)
-            else:  # DoRA and other variants merge their own way
-                merged = _full(variant.merge_safe(layer, adapter, merged))
-        return merged
+            if variant is not None:  # DoRA and other variants merge their own way
+                merged = _full(variant.merge_safe(layer, adapter, merged.clone()))
+            elif _plain_linear(layer, adapter, merged):
+                # get_delta_weight's `B @ A * scaling`, fused into one pass that writes the merged tensor once
+                a, b = _full(layer.lora_A[adapter].weight), _full(layer.lora_B[adapter].weight)
+                merged = torch.addmm(merged, b, a, alpha=layer.scaling[adapter])
+            else:
+                merged = merged + _full(layer.get_delta_weight(adapter)).to(merged.dtype)
+        return merged.detach()
 
 
 def active_adapter(policy: Any) -> str:
@@ -93,6 +97,20 @@ def _adapters(layer: Any) -> list[str]:
     """The layer's active adapters that hold weights in it (an adapter may skip some layers)."""
     held = set(layer.lora_A) | set(getattr(layer, "lora_embedding_A", {}))
     return [adapter for adapter in layer.active_adapters if adapter in held and not layer.disable_adapters]
+
+
+def _plain_linear(layer: Any, adapter: str, weight: torch.Tensor) -> bool:
+    """Whether `layer`'s delta for `adapter` is exactly `scaling * B @ A` in `weight`'s float32 (PEFT's Linear without
+    `fan_in_fan_out`; PEFT computes half-precision deltas on CPU in float32, so those take `get_delta_weight`)."""
+    from peft.tuners.lora import Linear
+
+    lora_b = layer.lora_B[adapter].weight if adapter in layer.lora_B else None
+    return (
+        isinstance(layer, Linear)
+        and not layer.fan_in_fan_out
+        and lora_b is not None
+        and weight.dtype == lora_b.dtype == torch.float32
+    )
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
