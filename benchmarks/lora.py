@@ -22,14 +22,12 @@ over HTTP, whole vs adapted modules only, vs the adapter alone (`VLLMLoRAWeightT
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
@@ -39,6 +37,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from lightning_grpo.main_job import _PeakMemory  # noqa: E402  (the main job's whole-tree peak memory)
 
 GROUP_SIZE, PROMPT, COMPLETIONS = 8, 48, (32, 64)
 LORA = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}  # configs/lora.yaml's adapters
@@ -123,34 +123,6 @@ def train_worker(model: str, config: TrainConfig, groups: int, warmup: int, step
     return {"step_s": times[warmup:], "trainable": sum(p.numel() for p in trainable)}
 
 
-class PeakMemory:
-    """Peak resident memory of a process and all its descendants, sampled every `interval_s`."""
-
-    def __init__(self, pid: int, interval_s: float = 0.05) -> None:
-        self.peak = 0
-        self._pid, self._interval = pid, interval_s
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        import psutil
-
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(self._pid)
-            while not self._done.wait(self._interval):
-                total = 0
-                for process in [root, *root.children(recursive=True)]:
-                    with contextlib.suppress(psutil.Error):
-                        total += process.memory_info().rss
-                self.peak = max(self.peak, total)
-
-    def stop(self) -> float:
-        self._done.set()
-        self._thread.join()
-        return self.peak / 2**30
-
-
 def run_config(args: argparse.Namespace, config: TrainConfig) -> dict:
     command = [
         sys.executable, __file__, "--worker", json.dumps(config.__dict__), "--model", args.model,
@@ -158,7 +130,7 @@ def run_config(args: argparse.Namespace, config: TrainConfig) -> dict:
         "--threads", str(args.threads),
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    memory = PeakMemory(process.pid)
+    memory = _PeakMemory(interval_s=0.05, pid=process.pid)
     out, _ = process.communicate()
     peak = memory.stop()
     if process.returncode != 0:

@@ -53,6 +53,7 @@ _EXPORTS = {
     "WeightSync": "weights.sync",
     "SharedMemoryWeightTransfer": "weights.shared_memory",
     "VLLMHTTPWeightTransfer": "weights.vllm_http",
+    "VLLMLoRAWeightTransfer": "weights.vllm_lora",
     "make_weight_transfer": "weights.factory",
     "VLLMServer": "serving.vllm_server",
     # the trainer
@@ -62,6 +63,7 @@ _EXPORTS = {
     "grpo_loss": "loss",
     "GRPOModule": "module",
     "GRPODataModule": "datamodule",
+    "export_policy": "export",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
     from .attention import register_tree_attention
     from .contract import RolloutContract, RolloutSource
     from .datamodule import GRPODataModule
+    from .export import export_policy
     from .loss import grpo_loss
     from .module import GRPOModule
     from .pipeline.batch import StepBatch
@@ -97,3 +100,4 @@ if TYPE_CHECKING:
     from .weights.shared_memory import SharedMemoryWeightTransfer
     from .weights.sync import WeightSync
     from .weights.vllm_http import VLLMHTTPWeightTransfer
+    from .weights.vllm_lora import VLLMLoRAWeightTransfer

@@ -17,6 +17,7 @@ with exit code 2 and a message naming the value.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -60,7 +61,11 @@ class GRPOLightningCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         try:
-            super().instantiate_classes()
+            with warnings.catch_warnings():
+                # jsonargparse fills `LoraConfig(loftq_config=...)` with a default `LoftQConfig`, which PEFT drops
+                # again (it is used only with `init_lora_weights="loftq"`), warning about a value nobody set.
+                warnings.filterwarnings("ignore", message=r"`loftq_config` specified but will be ignored")
+                super().instantiate_classes()
         except _CONFIG_ERRORS as error:
             self.parser.error(f"{type(error).__name__}: {error}", ex=error)
 

@@ -27,8 +27,9 @@ from .policy import (
     policy_record,
     trainable_parameters,
 )
-from .sharding import check_strategy, gradient_sync, is_sharded, shard_policy
+from .sharding import check_strategy, gradient_sync, is_fsdp2, is_sharded, shard_policy
 from .validation import greedy_completions
+from .weights.adapters import adapter_config
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class GRPOModule(pl.LightningModule):
         peft_config: a `peft.LoraConfig` to train LoRA adapters instead of the whole policy (in YAML:
             `class_path: peft.LoraConfig` with `init_args: {r: 16, lora_alpha: 32, target_modules: all-linear}`).
             Checked here against the policy's modules (a policy given by name: against its config, weightless).
+            A `peft.PeftModel` passed as `model` keeps its adapters (its active adapter's config is taken).
         gradient_checkpointing: recompute each decoder layer's activations in the backward (less memory, more time).
 
     Raises:
@@ -126,6 +128,8 @@ class GRPOModule(pl.LightningModule):
                 f"`GRPOModule({', '.join(problems)})`: learning_rate, epsilon and max_grad_norm must be "
                 "positive, warmup_steps at least 0."
             )
+        if peft_config is None and is_peft_model(model):
+            peft_config = adapter_config(model)  # a PEFT model passed in trains and checkpoints the same way
         if peft_config is not None:
             check_peft_config(peft_config, model)
             self.strict_loading = False  # checkpoints hold the adapters, not the base weights
@@ -211,9 +215,13 @@ class GRPOModule(pl.LightningModule):
     # -- checkpoints ------------------------------------------------------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Describe the policy for `lightning-grpo export`; with LoRA, keep the adapters and drop the base weights."""
+        """Describe the policy for `lightning-grpo export`; with LoRA, keep the adapters and drop the base weights.
+
+        A sharded (FSDP2) policy's distributed checkpoint keeps them: Lightning's sharded loader asks the checkpoint
+        for every tensor of the model, whatever `strict_loading` says.
+        """
         checkpoint[CHECKPOINT_KEY] = policy_record(self.model_name, self.peft_config, self.hparams.dtype)
-        if self.peft_config is not None and self.policy is not None:
+        if self.peft_config is not None and self.policy is not None and not is_fsdp2(self.policy):
             checkpoint["state_dict"] = drop_frozen_weights(checkpoint["state_dict"], self.policy, prefix="policy.")
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -62,6 +62,10 @@ def test_only_the_adapters_train_and_are_in_the_optimizer():
     assert optimized == {id(p) for p in module.policy.parameters() if p.requires_grad}
     module.configure_model()  # a second call (fit after validate) does not wrap the policy again
     assert sum(".lora_A." in name for name, _ in module.policy.named_parameters()) == 4
+    peft_model = lora_policy()
+    given = GRPOModule(peft_model)  # a PEFT model passed in: its adapters train, checkpoints keep only them
+    given.configure_model()
+    assert given.policy is peft_model and given.peft_config.r == 8 and given.strict_loading is False
 
 
 @pytest.mark.parametrize("with_lora", [False, True], ids=["full", "lora"])

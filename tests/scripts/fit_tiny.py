@@ -12,6 +12,8 @@ ended with, if any. Scenarios:
 - `ctrl_c`: at the start of step `--kill-at + 1`, SIGINT to the whole process group, as Ctrl-C in a terminal sends it
   (the rollout child and its reward workers get it too).
 
+`--lora` trains LoRA adapters (PEFT) instead of the whole policy.
+
 `--strategy fsdp2` trains under `ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)` (FSDP2 on
 CPU with gloo), `fsdp2_tp` under its default mesh (tensor-parallel over every device, which must be refused). With
 `--record`, each rank also saves `<out>/steps_rank<r>.pt` (its micro-batches of every step), `<out>/final_rank<r>.pt`
@@ -85,6 +87,7 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--validate", action="store_true", help="validate on 4 held-out prompts when the fit ends")
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (r=8 on q_proj, v_proj)")
     args = parser.parse_args()
 
     import lightning.pytorch as pl
@@ -169,7 +172,12 @@ def main() -> None:
         val_dataset=say(4) if args.validate else None,
         val_batch_size=2,
     )
-    module = GRPOModule("tiny-random", learning_rate=1e-3)
+    lora = None
+    if args.lora:
+        from peft import LoraConfig
+
+        lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    module = GRPOModule("tiny-random", learning_rate=1e-2 if args.lora else 1e-3, peft_config=lora)
     recorder = Recorder()
     callbacks = [recorder]
     if args.scenario in ("kill_self", "resume", "checkpoint"):
