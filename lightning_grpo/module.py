@@ -226,9 +226,10 @@ class GRPOModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """With LoRA, refuse a checkpoint that lacks this policy's adapters (the base weights are not in it)."""
-        if self.peft_config is None or self.policy is None:
+        state = checkpoint.get("state_dict")  # none under FSDP2: the strategy loaded every tensor itself, strictly
+        if self.peft_config is None or self.policy is None or state is None:
             return
-        missing = missing_trainable_keys(checkpoint["state_dict"], self.policy, prefix="policy.")
+        missing = missing_trainable_keys(state, self.policy, prefix="policy.")
         if missing:
             raise ValueError(
                 f"The checkpoint has no {missing[:3]} ({len(missing)} of the policy's adapter tensors are missing): it "
