@@ -53,6 +53,7 @@ _EXPORTS = {
     "WeightSync": "weights.sync",
     "SharedMemoryWeightTransfer": "weights.shared_memory",
     "VLLMHTTPWeightTransfer": "weights.vllm_http",
+    "VLLMLoRAWeightTransfer": "weights.vllm_lora",
     "make_weight_transfer": "weights.factory",
     "VLLMServer": "serving.vllm_server",
     # the trainer
@@ -67,6 +68,7 @@ _EXPORTS = {
     "StepReplay": "replay",
     "GRPOModule": "module",
     "GRPODataModule": "datamodule",
+    "export_policy": "export",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
     from .attention import register_tree_attention
     from .contract import RolloutContract, RolloutSource
     from .datamodule import GRPODataModule
+    from .export import export_policy
     from .loss import grpo_loss, policy_loss
     from .loss_options import LossOptions
     from .module import GRPOModule
@@ -105,3 +108,4 @@ if TYPE_CHECKING:
     from .weights.shared_memory import SharedMemoryWeightTransfer
     from .weights.sync import WeightSync
     from .weights.vllm_http import VLLMHTTPWeightTransfer
+    from .weights.vllm_lora import VLLMLoRAWeightTransfer

@@ -39,6 +39,9 @@ __all__ = [
     "is_async_callable",
     "iter_vllm_named_params",
     "nccl_weight_transfer_client",
+    "round_lora_rank",
+    "select_adapter_sync",
+    "validate_lora_for_vllm_sync",
 ]
 
 
@@ -47,6 +50,31 @@ def iter_vllm_named_params(model: Any) -> Iterator[tuple[str, Any]]:
     from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
 
     return _iter_vllm_named_params(model)
+
+
+def validate_lora_for_vllm_sync(model: Any) -> Any:
+    """TRL's `validate_lora_for_vllm_sync`: the active adapter's `LoraConfig`, refusing what vLLM's LoRA cannot serve."""
+    from trl.experimental.async_grpo.async_grpo_trainer import validate_lora_for_vllm_sync as validate
+
+    return validate(model)
+
+
+def select_adapter_sync(server_info: dict, model: Any, max_staleness: int) -> bool:
+    """TRL's `select_adapter_sync`: whether a server (its `/server_info` `vllm_config`) can take adapter-only syncs
+    of `model` with `max_staleness` versions in flight (False, with a warning, when it was started without LoRA;
+    raises ValueError when its `--max-lora-rank` or `--max-loras` is too low)."""
+    from types import SimpleNamespace
+
+    from trl.experimental.async_grpo.async_grpo_trainer import select_adapter_sync as select
+
+    return select(server_info, model, SimpleNamespace(max_staleness=max_staleness))
+
+
+def round_lora_rank(rank: int) -> int:
+    """TRL's `round_lora_rank`: the smallest `--max-lora-rank` vLLM accepts that serves an adapter of `rank`."""
+    from trl.experimental.async_grpo.async_grpo_trainer import round_lora_rank as round_rank
+
+    return round_rank(rank)
 
 
 def nccl_weight_transfer_client(server_url: str, server_timeout: float, update_info: dict, sync_timeout: int) -> Any:

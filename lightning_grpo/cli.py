@@ -4,6 +4,7 @@
     lightning-grpo fit --config lightning_grpo/configs/arithmetic.yaml --trainer.max_steps 50
     lightning-grpo validate --config lightning_grpo/configs/arithmetic.yaml --ckpt_path last.ckpt
     lightning-grpo fit --config lightning_grpo/configs/smoke.yaml --print_config   # every option, as YAML
+    lightning-grpo export last.ckpt exported/ [--merged]    # the trained policy as a Hugging Face folder
 
 Every option of the module (`model.*`, including AdamW's), the data module (`data.*`), the trainer (`trainer.*`) and
 the callbacks can be set in the YAML or on the command line. The policy is written once, as `model.model`; the data
@@ -16,6 +17,7 @@ with exit code 2 and a message naming the value.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -59,7 +61,11 @@ class GRPOLightningCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         try:
-            super().instantiate_classes()
+            with warnings.catch_warnings():
+                # jsonargparse fills `LoraConfig(loftq_config=...)` with a default `LoftQConfig`, which PEFT drops
+                # again (it is used only with `init_lora_weights="loftq"`), warning about a value nobody set.
+                warnings.filterwarnings("ignore", message=r"`loftq_config` specified but will be ignored")
+                super().instantiate_classes()
         except _CONFIG_ERRORS as error:
             self.parser.error(f"{type(error).__name__}: {error}", ex=error)
 
@@ -112,12 +118,18 @@ def main(args: list[str] | None = None) -> None:
 
     `lightning-grpo vllm-serve --model NAME [--port 8000 ...]` starts a vLLM server for `generator="vllm"` from its
     own environment (see `lightning_grpo.serving.vllm_server`) and serves until Ctrl-C.
+    `lightning-grpo export CHECKPOINT OUTPUT [--merged]` writes a checkpoint's policy as a Hugging Face folder, a LoRA
+    adapter alone or merged (see `lightning_grpo.export`).
     """
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["vllm-serve"]:
         from .serving.vllm_server import main as vllm_serve
 
         raise SystemExit(vllm_serve(argv[1:]))
+    if argv[:1] == ["export"]:
+        from .export import main as export
+
+        raise SystemExit(export(argv[1:]))
     cli(args)
 
 

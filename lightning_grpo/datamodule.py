@@ -26,7 +26,13 @@ from .pipeline.stream import StepStream
 from .rollout.schedule import GroupSchedule
 from .session import RolloutSession, SessionOptions
 from .threads import trainer_threads_for
-from .weights.factory import make_weight_transfer, transfer_kind, uses_trainable_only
+from .weights.factory import (
+    changed_scope,
+    make_weight_transfer,
+    transfer_kind,
+    uses_adapter_only,
+    uses_trainable_only,
+)
 from .weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -84,7 +90,8 @@ class GRPODataModule(pl.LightningDataModule):
         generator: `"embedded"` (the policy on CPU in the child) or `"vllm"` (TRL's HTTP path to a vLLM server).
         vllm_server_url: the vLLM server for `generator="vllm"`.
         vllm_transfer: how weights reach a vLLM server: `"http"` (safetensors in `/dev/shm`, no GPU needed),
-            `"nccl"` (TRL's client) or `"auto"` (NCCL with CUDA, else HTTP). See `make_weight_transfer`.
+            `"nccl"` (TRL's client), `"lora"` (a LoRA policy's adapter alone, for a server started with
+            `--enable-lora`) or `"auto"` (NCCL with CUDA, else HTTP). See `make_weight_transfer`.
         weight_transfer: a TRL `WeightTransferProtocol` (or a factory called with the policy) to push weights through
             instead of the generator's own backend; with `generator="embedded"` it must also have `receiver()`.
         num_generations: completions per prompt (the group size).
@@ -140,7 +147,7 @@ class GRPODataModule(pl.LightningDataModule):
         reward_timeout: float = 30.0,
         generator: Literal["embedded", "vllm"] = "embedded",
         vllm_server_url: str = "http://localhost:8000",
-        vllm_transfer: Literal["auto", "http", "nccl"] = "auto",
+        vllm_transfer: Literal["auto", "http", "nccl", "lora"] = "auto",
         weight_transfer: Any = None,
         num_generations: int = 8,
         max_completion_length: int = 64,
@@ -290,9 +297,18 @@ class GRPODataModule(pl.LightningDataModule):
         transfer = None
         if self.trainer.is_global_zero:
             transfer = self.weight_transfer or functools.partial(
-                make_weight_transfer, hp.generator, vllm_server_url=hp.vllm_server_url, vllm_transfer=hp.vllm_transfer
+                make_weight_transfer,
+                hp.generator,
+                vllm_server_url=hp.vllm_server_url,
+                vllm_transfer=hp.vllm_transfer,
+                max_staleness=hp.max_staleness,
             )
-        self.weight_sync = WeightSync(transfer, trainable_only=uses_trainable_only(kind))
+        self.weight_sync = WeightSync(
+            transfer,
+            trainable_only=uses_trainable_only(kind),
+            changed_only=changed_scope(kind) if self.weight_transfer is None else None,  # yours may want every tensor
+            adapter_only=uses_adapter_only(kind),
+        )
         if "weight_sync" in self._restored:
             self.weight_sync.load_state_dict(self._restored["weight_sync"])
 
@@ -431,6 +447,7 @@ class GRPODataModule(pl.LightningDataModule):
             loop_kwargs=self.loop_kwargs,
             world_size=self.trainer.world_size,
             groups_per_step=self.groups_per_step(),
+            lora_name=getattr(self.weight_sync.transfer, "lora_name", None),
         )
         self._session = RolloutSession.start(
             options,

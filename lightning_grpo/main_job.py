@@ -117,24 +117,26 @@ class _LastValidation(pl.Callback):
 
 
 class _PeakMemory:
-    """Samples the resident memory of this process and all its descendants (rollout child, reward workers)."""
+    """Samples the resident memory of a process (default this one) and all its descendants (rollout child, reward
+    workers); `benchmarks/lora.py` samples a child process's tree with it."""
 
-    def __init__(self, interval_s: float = 0.5) -> None:
+    def __init__(self, interval_s: float = 0.5, pid: int | None = None) -> None:
         self.peak = 0
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, args=(interval_s,), name="peak-memory", daemon=True)
+        self._thread = threading.Thread(target=self._sample, args=(interval_s, pid), name="peak-memory", daemon=True)
         self._thread.start()
 
-    def _sample(self, interval_s: float) -> None:
+    def _sample(self, interval_s: float, pid: int | None) -> None:
         import psutil
 
-        me = psutil.Process()
-        while not self._done.wait(interval_s):
-            total = 0
-            for process in [me, *me.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
-                    total += process.memory_info().rss
-            self.peak = max(self.peak, total)
+        with contextlib.suppress(psutil.Error):  # the process ended
+            root = psutil.Process(pid)
+            while not self._done.wait(interval_s):
+                total = 0
+                for process in [root, *root.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        total += process.memory_info().rss
+                self.peak = max(self.peak, total)
 
     def stop(self) -> float:
         """Stop sampling; the peak in GiB."""

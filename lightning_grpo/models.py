@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 TINY_MODEL = "tiny-random"
 
@@ -99,6 +99,15 @@ def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32) -> PreTra
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(_resolve_path(name_or_path), dtype=dtype)
+
+
+def load_policy_config(name_or_path: str) -> PretrainedConfig:
+    """The config of `load_policy(name_or_path)` without its weights (SmolLM2 is converted once, as for loading)."""
+    if _is_tiny(name_or_path):
+        return tiny_llama_config()
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(_resolve_path(name_or_path))
 
 
 def _is_tiny(name: str) -> bool:

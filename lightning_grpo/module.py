@@ -11,15 +11,28 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from peft import LoraConfig
 
 from ._imports import import_object
 from .contract import RolloutContract, require_rollout_source
 from .loss import LossContext, LossStats, micro_batch_loss
 from .loss_options import ImportanceSamplingLevel, ImportanceSamplingMode, LossOptions, LossType, check_options
 from .pipeline.batch import MicroBatch, StepBatch
-from .reference import ReferenceModel, ReferencePolicy
-from .sharding import check_strategy, clip_gradient_norm, gradient_sync, is_sharded, shard_policy
+from .policy import (
+    CHECKPOINT_KEY,
+    apply_peft,
+    check_peft_config,
+    drop_frozen_weights,
+    enable_activation_checkpointing,
+    is_peft_model,
+    missing_trainable_keys,
+    policy_record,
+    trainable_parameters,
+)
+from .reference import ReferenceModel, ReferencePolicy, adapters_start_at_zero, make_reference
+from .sharding import check_strategy, clip_gradient_norm, gradient_sync, is_fsdp2, is_sharded, shard_policy
 from .validation import greedy_completions
+from .weights.adapters import adapter_config
 
 #: Checkpoint key of the reference model, present once `sync_ref_model` mixed it (it is the initial policy before).
 REFERENCE_KEY = "grpo_reference_model"
@@ -42,6 +55,13 @@ class GRPOModule(pl.LightningModule):
     and micro-batches; with `beta > 0` a frozen reference model (`lightning_grpo.reference`) adds GRPOTrainer's KL
     term. `validation_step` samples greedy completions of held-out prompts and scores them with the data module's
     reward functions (`val/reward`, `val/rewards/<name>`), so `Trainer.validate` and `val_check_interval` work.
+
+    LoRA: with `peft_config` the policy is wrapped with PEFT adapters in `configure_model`; only the adapters train
+    (and are in the optimizer), checkpoints hold the adapters (plus optimizer and run state), not the base weights,
+    and the generator receives merged weights (or the adapter, with `GRPODataModule(vllm_transfer="lora")`).
+    `lightning-grpo export` writes a checkpoint's policy as a Hugging Face folder. `gradient_checkpointing`
+    recomputes activations in the backward; Lightning's `precision="bf16-mixed"` (autocast) and `"bf16-true"` work
+    with the packed forward, the log-probabilities and the loss staying float32.
 
     Several processes: DDP (`strategy="ddp"`), Lightning's FSDP on GPUs (`strategy="fsdp"`), or FSDP2 through
     `ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`, under which `configure_model` shards the
@@ -103,12 +123,20 @@ class GRPOModule(pl.LightningModule):
             `reward_weights`.
         dtype: the policy's dtype when loaded by name.
         val_max_tokens: tokens per greedy validation completion; default the data module's `max_completion_length`.
+        peft_config: a `peft.LoraConfig` to train LoRA adapters instead of the whole policy (in YAML:
+            `class_path: peft.LoraConfig` with `init_args: {r: 16, lora_alpha: 32, target_modules: all-linear}`).
+            Checked here against the policy's modules (a policy given by name: against its config, weightless).
+            A `peft.PeftModel` passed as `model` keeps its adapters (its active adapter's config is taken).
+        gradient_checkpointing: recompute each decoder layer's activations in the backward (less memory, more time).
 
     Raises:
         ValueError: a non-positive `learning_rate` or `max_grad_norm`, a negative `warmup_steps`, `scorer_weights` of
-            the wrong length, an out-of-range loss option or a combination GRPOTrainer refuses (both named); in
-            `setup`, a strategy whose gradients would not be synchronised.
-        TypeError: (in `setup`) a data module that is not a `RolloutSource` (or none).
+            the wrong length, an out-of-range loss option or a combination GRPOTrainer refuses (both named), a
+            `peft_config` whose `target_modules` match no module of the policy (the message lists those LoRA can
+            adapt), `sync_ref_model` with LoRA; in `setup`, a strategy whose gradients would not be synchronised;
+            when a checkpoint is restored, one without this policy's adapters.
+        TypeError: a `peft_config` that is not a `peft.LoraConfig`; (in `setup`) a data module that is not a
+            `RolloutSource` (or none).
 
     Example::
 
@@ -154,6 +182,8 @@ class GRPOModule(pl.LightningModule):
         scorer_weights: list[float] | None = None,
         dtype: Literal["float32", "bfloat16"] = "float32",
         val_max_tokens: int | None = None,
+        peft_config: LoraConfig | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         problems = [f"learning_rate={learning_rate}"] if not learning_rate > 0 else []
@@ -166,7 +196,13 @@ class GRPOModule(pl.LightningModule):
                 f"`GRPOModule({', '.join(problems)})`: learning_rate and max_grad_norm must be positive, "
                 "warmup_steps at least 0."
             )
-        self.save_hyperparameters(ignore=["model", "scorers"])
+        if peft_config is None and is_peft_model(model):
+            peft_config = adapter_config(model)  # a PEFT model passed in trains and checkpoints the same way
+        if peft_config is not None:
+            check_peft_config(peft_config, model)
+            self.strict_loading = False  # checkpoints hold the adapters, not the base weights
+        self.save_hyperparameters(ignore=["model", "scorers", "peft_config"])  # the config goes in as plain JSON
+        self.peft_config = peft_config
         loss = {name: self.hparams[name] for name in LossOptions.__dataclass_fields__}
         if vllm_importance_sampling_cap is not None:
             warnings.warn(
@@ -184,6 +220,12 @@ class GRPOModule(pl.LightningModule):
             ref_model_mixup_alpha=ref_model_mixup_alpha,
             ref_model_sync_steps=ref_model_sync_steps,
         )
+        if sync_ref_model and peft_config is not None:
+            raise ValueError(
+                "`GRPOModule(sync_ref_model=True)` with a `peft_config`: the reference of a LoRA policy is the policy "
+                "with its adapters disabled, which TR-DPO cannot mix into (TRL refuses it too); set "
+                "`sync_ref_model=False` or train without LoRA."
+            )
         self.model_name = model if isinstance(model, str) else None
         self.policy: Any = model if isinstance(model, torch.nn.Module) else None
         self.scorers = [_resolve_scorer(scorer) for scorer in scorers or []]
@@ -215,13 +257,20 @@ class GRPOModule(pl.LightningModule):
             from .models import load_policy
 
             self.policy = load_policy(self.model_name, dtype=getattr(torch, self.hparams.dtype))
+        fresh_adapters = self.peft_config is not None and not is_peft_model(self.policy)
+        if fresh_adapters:
+            self.policy = apply_peft(self.policy, self.peft_config)
+        if self.hparams.gradient_checkpointing:
+            enable_activation_checkpointing(self.policy)
         self.policy.train()  # loaders return eval mode; Lightning switches to eval and back around validation
         # Training switches the policy to tree attention; greedy validation batches use the loaded implementation.
         if self._generate_attention is None:
             loaded = self.policy.config._attn_implementation
             self._generate_attention = loaded if loaded and not loaded.startswith("tree") else "sdpa"
         if self.loss_options.beta != 0 and self.reference is None:
-            self.reference = ReferenceModel(self.policy)  # the initial policy, before a checkpoint is restored
+            # the initial policy, before a checkpoint is restored
+            zero = fresh_adapters and adapters_start_at_zero(self.peft_config)
+            self.reference = make_reference(self.policy, adapters_start_at_zero=zero)
         trainer = _trainer_of(self)
         if trainer is not None:
             shard_policy(self.policy, trainer.strategy)
@@ -256,11 +305,44 @@ class GRPOModule(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
+            trainable_parameters(self.policy), lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
         )
         warmup = hp.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- checkpoints ------------------------------------------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Every rank: describe the policy for `lightning-grpo export`; with LoRA, keep the adapters and drop the base
+        weights; add the reference model once a TR-DPO mix made it differ from the initial policy (before that,
+        `configure_model` rebuilds it from the policy it loads).
+
+        A sharded (FSDP2) policy's distributed checkpoint keeps the base weights: Lightning's sharded loader asks the
+        checkpoint for every tensor of the model, whatever `strict_loading` says.
+        """
+        checkpoint[CHECKPOINT_KEY] = policy_record(self.model_name, self.peft_config, self.hparams.dtype)
+        if isinstance(self.reference, ReferenceModel) and self.reference.mixed:
+            checkpoint[REFERENCE_KEY] = self.reference.state_dict()
+        if self.peft_config is not None and self.policy is not None and not is_fsdp2(self.policy):
+            checkpoint["state_dict"] = drop_frozen_weights(checkpoint["state_dict"], self.policy, prefix="policy.")
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore a mixed reference model; with LoRA, refuse a checkpoint that lacks this policy's adapters (the base
+        weights are not in it)."""
+        reference = checkpoint.get(REFERENCE_KEY)
+        if reference is not None and isinstance(self.reference, ReferenceModel):
+            self.reference.load_state_dict(reference)
+        state = checkpoint.get("state_dict")  # none under FSDP2: the strategy loaded every tensor itself, strictly
+        if self.peft_config is None or self.policy is None or state is None:
+            return
+        missing = missing_trainable_keys(state, self.policy, prefix="policy.")
+        if missing:
+            raise ValueError(
+                f"The checkpoint has no {missing[:3]} ({len(missing)} of the policy's adapter tensors are missing): it "
+                "was not written by a GRPOModule with this `peft_config`. Resume with the `peft_config` (and model) "
+                "it was trained with."
+            )
 
     # -- training ---------------------------------------------------------------------------------------------------
 
@@ -356,17 +438,6 @@ class GRPOModule(pl.LightningModule):
 
         with full_parameters(self.trainer.model):
             self.reference.mix(self.policy, hp.ref_model_mixup_alpha)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Every rank: the reference model goes into the checkpoint once a TR-DPO mix made it differ from the initial
-        policy (before that, `configure_model` rebuilds it from the policy it loads)."""
-        if isinstance(self.reference, ReferenceModel) and self.reference.mixed:
-            checkpoint[REFERENCE_KEY] = self.reference.state_dict()
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get(REFERENCE_KEY)
-        if state is not None and isinstance(self.reference, ReferenceModel):
-            self.reference.load_state_dict(state)
 
     def _log_step(self, batch: StepBatch, stats: LossStats, iterations: int, fwd_bwd_s: float) -> None:
         strategy = self.trainer.strategy

@@ -60,8 +60,8 @@ def validate_options(hp: Any) -> None:
             f"advantage_estimator='reinforce_plus_plus' with scale_rewards={hp.scale_rewards!r} (REINFORCE++ "
             "normalises over the batch: set scale_rewards='batch')"
         )
-    if hp.vllm_transfer not in ("auto", "http", "nccl"):
-        problems.append(f"vllm_transfer={hp.vllm_transfer!r} (one of 'auto', 'http', 'nccl')")
+    if hp.vllm_transfer not in ("auto", "http", "nccl", "lora"):
+        problems.append(f"vllm_transfer={hp.vllm_transfer!r} (one of 'auto', 'http', 'nccl', 'lora')")
     if problems:
         raise ValueError(f"GRPODataModule got invalid options: {'; '.join(problems)}.")
 

@@ -4,8 +4,9 @@
 the reference, from a no-grad forward over the same packed rows (no second packing). `ReferenceModel` implements it
 with a frozen copy of the initial policy on the trainer's device, sharded like the policy under FSDP2, mixed into
 the policy's direction by TR-DPO (`mix`, GRPOTrainer's `sync_ref_model`), and saved in checkpoints only once a mix
-made it differ from the initial policy. Another reference (the policy with its LoRA adapters disabled, sharing its
-weights) implements the same protocol.
+made it differ from the initial policy. `DisabledAdaptersReference` is the reference of a LoRA policy whose adapters
+start at zero: the policy itself with its adapters disabled (PEFT's `disable_adapter`), as GRPOTrainer does under
+PEFT, so no copy of the base weights is held. `make_reference` picks one.
 """
 
 from __future__ import annotations
@@ -62,10 +63,7 @@ class ReferenceModel:
 
     def logprobs(self, micro_batch: dict[str, torch.Tensor], context: LossContext) -> torch.Tensor:
         with torch.no_grad():
-            logprobs, _ = packed_logprobs(
-                self.model, micro_batch, context.temperature, top_k=context.top_k, top_p=context.top_p
-            )
-        return logprobs
+            return _logprobs(self.model, micro_batch, context)
 
     @torch.no_grad()
     def mix(self, policy: torch.nn.Module, alpha: float) -> None:
@@ -98,6 +96,45 @@ class ReferenceModel:
             for name, param in params.items():
                 _copy_full(param, state["parameters"][name])
         self.mixed = bool(state.get("mixed", True))
+
+
+class DisabledAdaptersReference:
+    """The reference of a LoRA policy whose adapters started at zero: the same `peft.PeftModel` with its adapters
+    disabled, which is exactly the initial policy and shares its (frozen, possibly sharded) base weights.
+
+    Args:
+        policy: the `peft.PeftModel` being trained.
+    """
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        self.policy = policy
+        self.mixed = False  # TR-DPO cannot mix into it (`GRPOModule` refuses `sync_ref_model` with LoRA)
+
+    def logprobs(self, micro_batch: dict[str, torch.Tensor], context: LossContext) -> torch.Tensor:
+        with torch.no_grad(), self.policy.disable_adapter():
+            return _logprobs(self.policy, micro_batch, context)
+
+
+def make_reference(policy: torch.nn.Module, adapters_start_at_zero: bool) -> ReferencePolicy:
+    """The KL reference of `policy` before it trains: the policy with its adapters disabled when it is a LoRA policy
+    whose adapters are still zero (a fresh `peft_config` with PEFT's default or Gaussian initialisation), else a
+    frozen copy (a full policy, a `PeftModel` with trained adapters, or an initialisation such as PiSSA that changes
+    the base weights)."""
+    if adapters_start_at_zero:
+        return DisabledAdaptersReference(policy)
+    return ReferenceModel(policy)
+
+
+def adapters_start_at_zero(peft_config: Any) -> bool:
+    """Whether PEFT initialises these adapters to a zero update (so the base model is the initial policy)."""
+    return getattr(peft_config, "init_lora_weights", None) in (True, "gaussian")
+
+
+def _logprobs(model: torch.nn.Module, micro_batch: dict[str, torch.Tensor], context: LossContext) -> torch.Tensor:
+    logprobs, _ = packed_logprobs(
+        model, micro_batch, context.temperature, top_k=context.top_k, top_p=context.top_p, min_p=context.min_p
+    )
+    return logprobs
 
 
 def _reshard(model: torch.nn.Module) -> None:

@@ -31,6 +31,7 @@ class SessionOptions:
     loop_kwargs: dict[str, Any]
     world_size: int
     groups_per_step: int
+    lora_name: str | None = None  # the served adapter's name prefix (adapter-only vLLM sync; TRL's loop argument)
 
 
 class RolloutSession:
@@ -139,6 +140,7 @@ def _make_worker(options: SessionOptions, progress: RolloutProgress, *, generato
         consumed=set(progress.consumed),
         groups_per_step=options.groups_per_step,
         max_staleness=hp.max_staleness,
+        lora_name=options.lora_name,
     )
     if loop_options.keys() != LOOP_OPTION_NAMES:  # the two lists are kept together on purpose
         raise RuntimeError(f"LOOP_OPTION_NAMES is out of date: {sorted(loop_options.keys() ^ LOOP_OPTION_NAMES)}")
@@ -181,6 +183,7 @@ LOOP_OPTION_NAMES = frozenset(
         "consumed",
         "groups_per_step",
         "max_staleness",
+        "lora_name",
     }
 )
 

@@ -25,6 +25,7 @@ from lightning_grpo.cli import cli, main
 CONFIGS = files("lightning_grpo.configs")  # the installed package data, as the command finds it
 SMOKE = str(CONFIGS / "smoke.yaml")
 MAIN_JOB = str(CONFIGS / "arithmetic.yaml")
+LORA = str(CONFIGS / "lora.yaml")
 
 
 def run_command(args: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
@@ -102,6 +103,24 @@ def test_main_job_config_parses_with_smollm2_and_accuracy(capsys, in_process):
     assert config["model"]["model"] == "smollm2-135m-instruct"
     assert config["data"]["dataset"] == "arithmetic"
     assert config["data"]["reward_funcs"] == ["lightning_grpo.rewards.accuracy"]
+
+
+@pytest.mark.timeout(120)
+def test_lora_config_builds_a_lora_module_from_its_class_path_and_a_bad_target_exits_2_naming_the_modules(
+    capsys, in_process
+):
+    from peft import LoraConfig
+
+    config = yaml.safe_load(printed_config(capsys, ["fit", "--config", LORA]))
+    assert config["model"]["model"] == "smollm2-135m-instruct"
+    assert config["model"]["peft_config"]["class_path"] == "peft.LoraConfig"
+    built = cli(["--config", LORA, "--model.model", "tiny-random"], run=False)  # SmolLM2's layers have these names
+    lora = built.model.peft_config
+    assert isinstance(lora, LoraConfig) and (lora.r, lora.lora_alpha, lora.target_modules) == (16, 32, "all-linear")
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["--config", LORA, "--model.model", "tiny-random", "--model.peft_config.target_modules=[qkv]"], run=False)
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "target_modules=['qkv']" in error and "q_proj, k_proj, v_proj" in error
 
 
 @pytest.mark.timeout(120)

@@ -19,7 +19,12 @@ ASYNC_GRPO = "trl.experimental.async_grpo"
 MODULE_NAMES = {
     f"{ASYNC_GRPO}.async_rollout_worker": ["_AsyncRolloutLoop", "_child_main", "RolloutGroup", "TrainingSequence"],
     f"{ASYNC_GRPO}.packing": ["TreeRow", "tree_attention", "_flash_attn"],
-    f"{ASYNC_GRPO}.async_grpo_trainer": ["_iter_vllm_named_params"],
+    f"{ASYNC_GRPO}.async_grpo_trainer": [
+        "_iter_vllm_named_params",
+        "validate_lora_for_vllm_sync",
+        "select_adapter_sync",
+        "round_lora_rank",
+    ],
     f"{ASYNC_GRPO}.weight_transfer": ["WeightTransferClient"],
     f"{ASYNC_GRPO}.vllm_client": ["VLLMClient"],
     "trl.chat_template_utils": ["add_response_schema"],
@@ -37,6 +42,7 @@ LOOP_METHODS = {
         "tools",
         "min_p",
         "repetition_penalty",
+        "lora_name",
     ],
     "run": [],
     "_run_loops": ["stop_event"],
@@ -86,6 +92,8 @@ LOOP_SOURCE_NAMES = [
     'self._post("/v1/completions", payload',
     '"repetition_penalty": self.repetition_penalty',
     'payload["min_p"] = self.min_p',
+    '"model": self._request_model',  # names the adapter `{lora_name}-v{model_version}` (adapter-only vLLM sync)
+    'f"{self.lora_name}-v{self.model_version}"',
 ]
 
 ROLLOUT_GROUP_FIELDS = [
@@ -233,6 +241,17 @@ def test_trls_vllm_manifest_names_a_plain_models_parameters_as_its_checkpoint_do
 
     model = tiny_llama()
     assert [name for name, _ in iter_vllm_named_params(model)] == [name for name, _ in model.named_parameters()]
+
+
+def test_trls_vllm_manifest_names_a_peft_models_base_parameters_as_the_base_checkpoint_does():
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_grpo._trl import iter_vllm_named_params
+    from lightning_grpo.models import tiny_llama
+
+    base_names = [name for name, _ in tiny_llama().named_parameters()]
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert [name for name, _ in iter_vllm_named_params(model)] == base_names
 
 
 def test_only_the_trl_module_imports_trl():

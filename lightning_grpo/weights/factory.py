@@ -6,11 +6,12 @@ from typing import Any, Literal
 
 import torch
 
-from .._trl import iter_vllm_named_params, nccl_weight_transfer_client
-from .parameters import checkpoint_name
+from .._trl import nccl_weight_transfer_client
+from .parameters import ChangedScope, generator_manifest
 
 Generator = Literal["embedded", "vllm"]
-VLLMTransfer = Literal["auto", "http", "nccl"]
+VLLMTransfer = Literal["auto", "http", "nccl", "lora"]
+VLLM_TRANSFERS = ("auto", "http", "nccl", "lora")
 
 
 def make_weight_transfer(
@@ -21,6 +22,7 @@ def make_weight_transfer(
     vllm_server_timeout: float = 240.0,
     weight_sync_timeout: int = 1800,
     vllm_transfer: VLLMTransfer = "auto",
+    max_staleness: int = 2,
 ) -> Any:
     """The weight-transfer backend for a generator: shared memory for "embedded", HTTP or NCCL for "vllm".
 
@@ -33,7 +35,14 @@ def make_weight_transfer(
       `VLLM_SERVER_DEV_MODE=1` and `--weight-transfer-config '{"backend":"nccl"}'`. Its manifest is TRL's
       (`uses_trainable_only` is then True: `WeightSync` must stream the same parameters). It needs vllm installed
       here and a GPU; this path cannot run on a CPU machine and is wired up as TRL's trainer wires it.
+    - `"lora"`: `VLLMLoRAWeightTransfer` loads a LoRA policy's adapter on a server started with `--enable-lora`
+      (`VLLMServer(max_lora_rank=...)`), a new adapter name per push; no base weight moves. `WeightSync` then streams
+      the adapter (`uses_adapter_only`).
     - `"auto"` (default): NCCL when CUDA is available, else HTTP.
+
+    A LoRA policy reaches the embedded generator and the "http"/"nccl" paths as merged weights under the base model's
+    names; after the first push, shared memory and "http" receive only the layers the adapters change
+    (`changed_scope`).
 
     Args:
         generator: "embedded" or "vllm".
@@ -41,7 +50,8 @@ def make_weight_transfer(
         vllm_server_url: the vLLM server ("vllm" only).
         vllm_server_timeout: seconds to wait for the server to be reachable ("vllm" only).
         weight_sync_timeout: seconds allowed for the NCCL handshake and each transfer ("nccl" only).
-        vllm_transfer: "auto", "http" or "nccl" ("vllm" only).
+        vllm_transfer: "auto", "http", "nccl" or "lora" ("vllm" only).
+        max_staleness: policy versions a request may lag, so how many adapters stay loaded ("lora" only).
 
     Raises:
         ValueError: an unknown generator or `vllm_transfer`.
@@ -56,11 +66,18 @@ def make_weight_transfer(
         from .vllm_http import VLLMHTTPWeightTransfer
 
         return VLLMHTTPWeightTransfer(vllm_server_url, model=model, server_timeout=vllm_server_timeout)
+    if kind == "vllm_lora":
+        from .vllm_lora import VLLMLoRAWeightTransfer
+
+        return VLLMLoRAWeightTransfer(
+            vllm_server_url, model=model, max_staleness=max_staleness, server_timeout=vllm_server_timeout
+        )
     return nccl_weight_transfer_client(vllm_server_url, vllm_server_timeout, nccl_manifest(model), weight_sync_timeout)
 
 
 def transfer_kind(generator: Generator, vllm_transfer: VLLMTransfer = "auto") -> str:
-    """`"shared_memory"`, `"http"` or `"nccl"`: the backend `make_weight_transfer` builds (every rank can ask).
+    """`"shared_memory"`, `"http"`, `"nccl"` or `"vllm_lora"`: the backend `make_weight_transfer` builds (every rank
+    can ask).
 
     Raises:
         ValueError: an unknown generator or `vllm_transfer`.
@@ -71,8 +88,12 @@ def transfer_kind(generator: Generator, vllm_transfer: VLLMTransfer = "auto") ->
         raise ValueError(
             f"`make_weight_transfer(generator={generator!r})` is not a generator. Use 'embedded' or 'vllm'."
         )
-    if vllm_transfer not in ("auto", "http", "nccl"):
-        raise ValueError(f"`make_weight_transfer(vllm_transfer={vllm_transfer!r})`: use 'auto', 'http' or 'nccl'.")
+    if vllm_transfer not in VLLM_TRANSFERS:
+        raise ValueError(
+            f"`make_weight_transfer(vllm_transfer={vllm_transfer!r})`: use one of {', '.join(map(repr, VLLM_TRANSFERS))}."
+        )
+    if vllm_transfer == "lora":
+        return "vllm_lora"
     if vllm_transfer == "http" or (vllm_transfer == "auto" and not torch.cuda.is_available()):
         return "http"
     return "nccl"
@@ -83,12 +104,24 @@ def uses_trainable_only(kind: str) -> bool:
     return kind == "nccl"
 
 
+def uses_adapter_only(kind: str) -> bool:
+    """Whether a backend of `kind` takes a LoRA policy's adapter rather than its (merged) weights."""
+    return kind == "vllm_lora"
+
+
+def changed_scope(kind: str) -> ChangedScope | None:
+    """How a backend of `kind` takes partial pushes after the first one: `"tensors"` (shared memory: exactly the
+    tensors that changed), `"modules"` (vLLM over HTTP: whole fused layers), or None (every push is whole: TRL's NCCL
+    manifest is fixed, and an adapter push has nothing to leave out)."""
+    return {"shared_memory": "tensors", "http": "modules"}.get(kind)
+
+
 def nccl_manifest(model: torch.nn.Module) -> dict[str, list]:
     """TRL's NCCL manifest: names, dtypes and (global) shapes of the parameters `WeightSync(trainable_only=True)`
-    streams, in its order."""
+    streams, in its order (a LoRA policy's base parameters, which it streams merged)."""
     names, dtype_names, shapes = [], [], []
-    for name, param in iter_vllm_named_params(model):
-        names.append(checkpoint_name(name))
+    for name, param in generator_manifest(model, trainable_only=True):
+        names.append(name)
         dtype_names.append(str(param.dtype).removeprefix("torch."))
         shapes.append(list(param.shape))
     return {"names": names, "dtype_names": dtype_names, "shapes": shapes}

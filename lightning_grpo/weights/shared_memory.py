@@ -2,9 +2,11 @@
 
 `SharedMemoryWeightTransfer` is the trainer side and implements TRL's `WeightTransferProtocol`
 (`init_weight_transfer`, `pause`, `send_weights`, `resume`, `destroy`). It allocates one shared-memory block once,
-sized from the model's parameters: a 64-byte header (sequence number, version, a valid flag), then every tensor at a
-64-byte aligned offset. `SharedMemoryWeightReceiver` is the generator side: a small picklable object (the block's
-name, the lock file's path and the manifest) that the embedded generator polls between decode steps.
+sized from the model's parameters: a 64-byte header (sequence number, version, a valid flag), a table of the sequence
+number each tensor was last written under, then every tensor at a 64-byte aligned offset. A partial send (after a
+full one) writes only the tensors that changed, and the generator copies only the tensors written since its last
+copy. `SharedMemoryWeightReceiver` is the generator side: a small picklable object (the block's
+name, the lock file's path and the manifest) that the embedded generator polls between generate batches.
 
 A sync is `pause()` (take the lock, waiting for a copy in progress to finish), `send_weights(named_tensors,
 version)` (memcpy into the block), `resume()` (publish: bump the sequence number, set the version, release the
@@ -81,13 +83,19 @@ class _Manifest:
     size: int  # bytes of the whole block, header included
 
 
+def _table_bytes(count: int) -> int:
+    """Bytes of the written-at table (one int64 per tensor), rounded up to the alignment."""
+    return -(-count * 8 // _ALIGN) * _ALIGN
+
+
 def _build_manifest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> _Manifest:
+    named_tensors = list(named_tensors)
     specs: list[TensorSpec] = []
     aliases: dict[str, str] = {}
     owner_of: dict[int, str] = {}
     names: set[str] = set()
     keep_alive = []  # so that id() of a temporary cannot be reused by the next tensor
-    offset = _HEADER_BYTES
+    offset = _HEADER_BYTES + _table_bytes(len(named_tensors))  # the table has room for every name, tied ones too
     for name, tensor in named_tensors:
         keep_alive.append(tensor)
         if name in names:
@@ -111,11 +119,15 @@ class _Block:
     def __init__(self, shm: shared_memory.SharedMemory, manifest: _Manifest) -> None:
         self.shm = shm
         self.header = torch.frombuffer(shm.buf, dtype=torch.int64, count=_HEADER_BYTES // 8)
+        # written_at[i]: the sequence number under which specs[i] was last written (0: never)
+        self.written_at = torch.frombuffer(shm.buf, dtype=torch.int64, count=len(manifest.specs), offset=_HEADER_BYTES)
         self.views = {spec.name: _view(shm, spec) for spec in manifest.specs}
+        self.index = {spec.name: i for i, spec in enumerate(manifest.specs)}
 
     def close(self) -> None:
         # Views export the mmap's buffer; they must go before the mmap can close.
         self.header = None
+        self.written_at = None
         self.views = {}
         try:
             self.shm.close()
@@ -182,13 +194,27 @@ def _release(block: _Block, lock_fd: int, lock_path: str) -> None:
         os.unlink(lock_path)  # a separate lock file (no /dev/shm); on Linux it was the block, already gone
 
 
+def _module_manifest(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """A model's tensors as the generator holds them: a LoRA (PEFT) policy's base parameters under their base names
+    (it receives merged weights), any other model's parameters with tied names kept as aliases."""
+    from ..policy import is_peft_model
+
+    if is_peft_model(model):
+        from .parameters import generator_manifest
+
+        return generator_manifest(model)
+    return model.named_parameters(remove_duplicate=False)
+
+
 class SharedMemoryWeightTransfer:
     """Trainer side of the shared-memory weight sync to the embedded generator; TRL's `WeightTransferProtocol`.
 
     The block is allocated once, here, from the tensors' names, shapes and dtypes (only metadata is read: meta
-    tensors and DTensors work). Every `send_weights` must cover every tensor of this manifest; tensors that share
-    storage (an `lm_head` tied to the embeddings) are sent once, under the first name, and a tied name in a send is
-    skipped. A tensor is cast to the manifest's dtype on the copy.
+    tensors and DTensors work; a LoRA policy's manifest is its base model's, which receives merged weights). A
+    `send_weights` covers every tensor of this manifest, or, with `partial=True` once a full send was published, the
+    tensors that changed (`WeightSync` sends a LoRA policy's adapted layers only); tensors that share storage (an
+    `lm_head` tied to the embeddings) are sent once, under the first name, and a tied name in a send is skipped. A
+    tensor is cast to the manifest's dtype on the copy.
 
     Hand the generator its side with `receiver()` before the rollout child is spawned; it pickles in microseconds.
     The generator applies a sync between two decode steps, so a completion carries the new version only when all of
@@ -220,7 +246,7 @@ class SharedMemoryWeightTransfer:
     ) -> None:
         named = model_or_named_tensors
         if isinstance(named, torch.nn.Module):
-            named = named.named_parameters(remove_duplicate=False)
+            named = _module_manifest(named)
         self._manifest = _build_manifest(named)
         self._lock_timeout_s = lock_timeout_s
         block_name = f"lgrpo_{os.getpid()}_{secrets.token_hex(4)}"  # macOS caps shm names at 31 characters
@@ -234,6 +260,7 @@ class SharedMemoryWeightTransfer:
         self._pending_version: int | None = None
         self._send_failed = False
         self._version = 0
+        self._complete = False  # a full send was published: partial sends may follow
 
     @property
     def block_name(self) -> str:
@@ -280,19 +307,25 @@ class SharedMemoryWeightTransfer:
             )
         self._paused = True
 
-    def send_weights(self, iterator: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+    def send_weights(
+        self, iterator: Iterable[tuple[str, torch.Tensor]], version: int | None = None, *, partial: bool = False
+    ) -> None:
         """Write `(name, tensor)` pairs into the shared block; they reach the generator at the next `resume()`.
 
         Takes the lock first if `pause()` was not called. A failed send is never published.
 
         Args:
-            iterator: every tensor of the manifest once (tied names may be included; they are skipped).
+            iterator: every tensor of the manifest once (tied names may be included; they are skipped); with
+                `partial`, only the tensors that changed since the last send.
             version: the model version of these weights, which the generator's samples will carry; defaults to the
                 last published version + 1. It may not go down.
+            partial: the tensors left out keep the values of earlier sends, and the generator copies only the
+                tensors sent. Allowed once a full send was published.
 
         Raises:
             ValueError: a decreasing version, a name not in the manifest, a shape that differs from the manifest,
-                or tensors missing from the send. Each message names the tensor.
+                tensors missing from a full send, or a partial send before any full one. Each message names the
+                tensor.
         """
         self._check_open("send_weights")
         version = self._version + 1 if version is None else int(version)
@@ -301,13 +334,18 @@ class SharedMemoryWeightTransfer:
                 f"`SharedMemoryWeightTransfer.send_weights(version={version})`: version {self._version} is already "
                 "published and versions may not go down. Pass the trainer's model version."
             )
+        if partial and not self._complete:
+            raise ValueError(
+                "`SharedMemoryWeightTransfer.send_weights(partial=True)` before a full send was published: the "
+                "generator may have no other copy of the tensors left out. Send every tensor first."
+            )
         self.pause()
         self._pending_version = None
         self._send_failed = True  # until every tensor is written
         self._block.header[_H_VALID] = 0
         written = self._write(iterator)
         missing = [spec.name for spec in self._manifest.specs if spec.name not in written]
-        if missing:
+        if missing and not partial:
             raise ValueError(
                 f"`SharedMemoryWeightTransfer.send_weights` got no tensor for {missing[:4]} ({len(missing)} of "
                 f"{len(self._manifest.specs)} missing). Send every tensor of the model the transfer was built from "
@@ -319,7 +357,8 @@ class SharedMemoryWeightTransfer:
 
     def _write(self, iterator: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         written = set()
-        views, aliases = self._block.views, self._manifest.aliases
+        block, aliases = self._block, self._manifest.aliases
+        views, sequence = block.views, int(block.header[_H_SEQ]) + 1  # the number the next publish takes
         for name, tensor in iterator:
             if name in aliases:
                 continue  # shares storage with aliases[name], which the send carries
@@ -336,6 +375,7 @@ class SharedMemoryWeightTransfer:
                     f"but the manifest says {tuple(view.shape)}. Send full (unsharded) tensors of the same model."
                 )
             _copy_into(view, tensor.detach())
+            block.written_at[block.index[name]] = sequence
             written.add(name)
         return written
 
@@ -350,6 +390,7 @@ class SharedMemoryWeightTransfer:
             header[_H_SEQ] += 1
             self._version = self._pending_version
             self._pending_version = None
+            self._complete = True
         elif self._send_failed:
             log.warning("SharedMemoryWeightTransfer.resume() after a failed send: nothing was published.")
         self._send_failed = False
@@ -395,7 +436,7 @@ class SharedMemoryWeightReceiver:
         self._block: _Block | None = None
         self._lock_fd: int | None = None
         self._applied_seq = 0
-        self._targets: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._targets: tuple[int, list[tuple[int, torch.Tensor, torch.Tensor]]] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.block_name, self.lock_path, self._manifest))
@@ -425,8 +466,10 @@ class SharedMemoryWeightReceiver:
             seq, version, valid = (int(block.header[i]) for i in (_H_SEQ, _H_VERSION, _H_VALID))
             if seq == self._applied_seq or not valid:
                 return None
-            for param, view in self._pairs(model):
-                _copy_into(param.data, view)
+            written_at = block.written_at.tolist()
+            for index, param, view in self._pairs(model):
+                if written_at[index] > self._applied_seq:  # written since this receiver's last copy
+                    _copy_into(param.data, view)
             self._applied_seq = seq
             return version
         finally:
@@ -468,19 +511,19 @@ class SharedMemoryWeightReceiver:
         self._block = block
         return block
 
-    def _pairs(self, model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _pairs(self, model: torch.nn.Module) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         if self._targets is not None and self._targets[0] == id(model):
             return self._targets[1]
         params = dict(model.named_parameters(remove_duplicate=False))
         pairs, problems = [], []
-        for spec in self._manifest.specs:
+        for index, spec in enumerate(self._manifest.specs):
             param = params.get(spec.name)
             if param is None:
                 problems.append(f"{spec.name!r} is missing")
             elif tuple(param.shape) != spec.shape:
                 problems.append(f"{spec.name!r} has shape {tuple(param.shape)}, the trainer sends {spec.shape}")
             else:
-                pairs.append((param, self._block.views[spec.name]))
+                pairs.append((index, param, self._block.views[spec.name]))
         if problems:
             raise ValueError(
                 f"The generator's model does not match the weights the trainer sends: {'; '.join(problems[:4])}"

@@ -10,7 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .parameters import full_parameters, generator_parameters
+from .parameters import ChangedScope, changed_names, full_parameters, generator_parameters
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,11 @@ class WeightSync:
     only the rank holding the `transfer` (rank 0) sends. Before its first send the transfer is initialised, once,
     whatever the backend (TRL's NCCL client silently sends nothing before that). Each push streams
     `generator_parameters(policy)`: full tensors under the policy's checkpoint names, TRL's vLLM manifest when
-    `trainable_only`.
+    `trainable_only`; a LoRA policy's adapted layers merged with their adapters, under the base model's names (the
+    trained copy is not merged). With `changed_only`, every push after a run's first one streams only the tensors
+    training can change (`changed_names`: a LoRA policy's adapted layers, trainable parameters), and the transfer
+    (`send_weights(..., partial=True)`) keeps the rest. With `adapter_only`, each push streams the LoRA adapter
+    itself (`adapters.adapter_tensors`), for a generator that applies it (`VLLMLoRAWeightTransfer`).
 
     `version` is the run's one policy version. The first push of a run (or of a resumed run) publishes the current
     version; each later push publishes the next one. A backend whose `send_weights` takes `version` (the shared-memory
@@ -57,9 +61,14 @@ class WeightSync:
             push (`SharedMemoryWeightTransfer` itself is one); None on the other ranks.
         trainable_only: stream TRL's vLLM manifest (trainable parameters only) instead of every parameter. The same
             on every rank.
+        changed_only: after the first push, stream only the tensors that can change: `"tensors"` exactly those,
+            `"modules"` those and every tensor of the same parent module (for a vLLM server, which reloads fused
+            q/k/v and gate/up layers whole); None streams everything every time. The same on every rank.
+        adapter_only: stream the LoRA adapter instead of the merged weights. The same on every rank.
 
     Raises:
         TypeError: `transfer` is neither a `WeightTransferProtocol` nor a callable (the message names what it lacks).
+        ValueError: both `changed_only` and `adapter_only`.
 
     Example::
 
@@ -74,7 +83,14 @@ class WeightSync:
         transfer: WeightTransfer | Callable[[torch.nn.Module], WeightTransfer] | None = None,
         *,
         trainable_only: bool = False,
+        changed_only: ChangedScope | None = None,
+        adapter_only: bool = False,
     ) -> None:
+        if changed_only is not None and adapter_only:
+            raise ValueError(
+                f"`WeightSync(changed_only={changed_only!r}, adapter_only=True)`: an adapter push has no merged "
+                "layers to leave out. Pass one of them."
+            )
         self.transfer: WeightTransfer | None = None
         self._make_transfer: Callable[[torch.nn.Module], WeightTransfer] | None = None
         if isinstance(transfer, type) or (callable(transfer) and not isinstance(transfer, WeightTransfer)):
@@ -88,8 +104,11 @@ class WeightSync:
                 f"TRL's WeightTransferProtocol ({', '.join(_PROTOCOL_METHODS)}), and is not a factory of one."
             )
         self.trainable_only = trainable_only
+        self.changed_only = changed_only
+        self.adapter_only = adapter_only
         self.version = 0
         self.last_push_s: float | None = None
+        self.last_push_bytes = 0  # bytes of the tensors the last push streamed to the transfer (the sending rank)
         self._published = False
         self._initialised = False
         self._listeners: list[Callable[[int], None]] = []
@@ -122,12 +141,13 @@ class WeightSync:
         if self.transfer is None and self._make_transfer is not None:
             self.transfer = self._make_transfer(policy)
         version = self.version + 1 if self._published else self.version
+        partial = self.changed_only is not None and self._published  # a run's first push is always whole
         started = time.monotonic()
         with full_parameters(wrapped if wrapped is not None else policy):
-            stream = generator_parameters(policy, trainable_only=self.trainable_only)
+            stream = self._stream(policy, partial)
             try:
                 if self.transfer is not None:
-                    self._send(stream, version)
+                    self._send(self._counted(stream), version, partial)
             finally:
                 for _ in stream:  # gathers the sender did not reach (other ranks, or a failed send) still happen
                     pass
@@ -138,20 +158,41 @@ class WeightSync:
             listener(version)
         return version
 
-    def _send(self, stream: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def _stream(self, policy: torch.nn.Module, partial: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.adapter_only:
+            from .adapters import adapter_tensors
+
+            return adapter_tensors(policy)
+        names = None
+        if partial:
+            names = changed_names(policy, trainable_only=self.trainable_only, scope=self.changed_only)
+        return generator_parameters(policy, trainable_only=self.trainable_only, names=names)
+
+    def _counted(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        self.last_push_bytes = 0
+        for name, tensor in stream:
+            self.last_push_bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def _send(self, stream: Iterable[tuple[str, torch.Tensor]], version: int, partial: bool) -> None:
         transfer = self.transfer
         if not self._initialised:
             transfer.init_weight_transfer()
             self._initialised = True
+        kwargs: dict[str, Any] = {"version": version} if _takes(transfer, "version") else {}
+        if partial:
+            if not _takes(transfer, "partial"):
+                raise TypeError(
+                    f"`WeightSync(changed_only={self.changed_only!r})` sends partial pushes, but "
+                    f"{type(transfer).__name__}.send_weights takes no `partial`. Leave `changed_only` unset for it."
+                )
+            kwargs["partial"] = True
         transfer.pause()
         try:
-            if _takes_version(transfer):
-                transfer.send_weights(stream, version=version)
-            else:
-                transfer.send_weights(stream)
+            transfer.send_weights(stream, **kwargs)
         finally:
             transfer.resume()
-        log.debug("Pushed the policy's weights as version %d.", version)
+        log.debug("Pushed the policy's weights as version %d%s.", version, " (changed tensors)" if partial else "")
 
     def receiver(self) -> Any:
         """The generator's side of the transfer (`SharedMemoryWeightTransfer.receiver()`), for the embedded generator.
@@ -188,9 +229,9 @@ class WeightSync:
 _PROTOCOL_METHODS = ("init_weight_transfer", "pause", "send_weights", "resume", "destroy")
 
 
-def _takes_version(transfer: Any) -> bool:
-    """Whether `transfer.send_weights` takes the version with the weights (ours do; TRL's protocol does not)."""
+def _takes(transfer: Any, argument: str) -> bool:
+    """Whether `transfer.send_weights` takes `argument` (ours take `version` and `partial`; TRL's protocol neither)."""
     try:
-        return "version" in inspect.signature(transfer.send_weights).parameters
+        return argument in inspect.signature(transfer.send_weights).parameters
     except (TypeError, ValueError):
         return False

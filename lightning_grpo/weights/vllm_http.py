@@ -106,19 +106,7 @@ class VLLMHTTPWeightTransfer:
         """Wait until the server answers `/health` and check that it can reload weights."""
         if self._ready:
             return
-        deadline = time.monotonic() + self.server_timeout
-        while True:
-            try:
-                if self._session.get(f"{self.server_url}/health", timeout=5.0).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"VLLMHTTPWeightTransfer(server_url={self.server_url!r}): no vLLM server answered /health within "
-                    f"server_timeout={self.server_timeout} s. Start one with `python -m lightning_grpo.serving.vllm_server`."
-                )
-            time.sleep(0.5)
+        self._wait_healthy()
         self._has_extension = self._probe_extension()
         if not self._has_extension and self.tied is not False:
             raise RuntimeError(
@@ -138,15 +126,20 @@ class VLLMHTTPWeightTransfer:
             self._post("/pause", params={"mode": "keep"})
             self._paused = True
 
-    def send_weights(self, iterator: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+    def send_weights(
+        self, iterator: Iterable[tuple[str, torch.Tensor]], version: int | None = None, *, partial: bool = False
+    ) -> None:
         """Write `(name, tensor)` pairs to a new folder and have the server load them.
 
         Call between `pause()` and `resume()` (it pauses itself otherwise). Names are the Hugging Face checkpoint names
         (`model.layers.0.self_attn.q_proj.weight`); the server may skip names it does not know. DTensors are gathered.
 
         Args:
-            iterator: the policy's parameters, all of them, e.g. `model.named_parameters()`.
+            iterator: the policy's parameters, all of them, e.g. `model.named_parameters()`; with `partial`, whole
+                modules only (every tensor of each vLLM layer it sends: q/k/v and gate/up are fused there).
             version: the model version of these weights (recorded in `self.version`).
+            partial: the layers left out keep their weights on the server (vLLM logs a "Failed to load weights"
+                warning for each of them, and reloads the rest).
         """
         from safetensors.torch import save_file
 
@@ -188,6 +181,21 @@ class VLLMHTTPWeightTransfer:
         self._session.close()
 
     # -- helpers ---------------------------------------------------------------------------------------------------
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.server_timeout
+        while True:
+            try:
+                if self._session.get(f"{self.server_url}/health", timeout=5.0).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{type(self).__name__}(server_url={self.server_url!r}): no vLLM server answered /health within "
+                    f"server_timeout={self.server_timeout} s. Start one with `python -m lightning_grpo.serving.vllm_server`."
+                )
+            time.sleep(0.5)
 
     def _probe_extension(self) -> bool:
         try:

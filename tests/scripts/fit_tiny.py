@@ -13,7 +13,9 @@ ended with, if any. Scenarios:
   (the rollout child and its reward workers get it too).
 
 `--beta` adds the KL to a reference model (sharded like the policy under FSDP2) and `--ref-sync-steps n` mixes the
-policy into it every n steps (it is then in the checkpoints). `--strategy fsdp2` trains under `ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)` (FSDP2 on
+policy into it every n steps (it is then in the checkpoints). `--lora` trains LoRA adapters (PEFT) instead of the whole policy.
+
+`--strategy fsdp2` trains under `ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)` (FSDP2 on
 CPU with gloo), `fsdp2_tp` under its default mesh (tensor-parallel over every device, which must be refused). With
 `--record`, each rank also saves `<out>/steps_rank<r>.pt` (its micro-batches of every step), `<out>/final_rank<r>.pt`
 (the full, gathered weights after the fit) and, on rank 0, the largest difference between the generator's
@@ -95,6 +97,7 @@ def main() -> None:
     parser.add_argument("--validate", action="store_true", help="validate on 4 held-out prompts when the fit ends")
     parser.add_argument("--beta", type=float, default=0.0, help="KL to a reference model")
     parser.add_argument("--ref-sync-steps", type=int, default=0, help="TR-DPO mixes every n steps (0: never)")
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (r=8 on q_proj, v_proj)")
     args = parser.parse_args()
 
     import lightning.pytorch as pl
@@ -179,7 +182,17 @@ def main() -> None:
         val_dataset=say(4) if args.validate else None,
         val_batch_size=2,
     )
-    module = GRPOModule("tiny-random", learning_rate=1e-3, **reference_options(args.beta, args.ref_sync_steps))
+    lora = None
+    if args.lora:
+        from peft import LoraConfig
+
+        lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    module = GRPOModule(
+        "tiny-random",
+        learning_rate=1e-2 if args.lora else 1e-3,
+        peft_config=lora,
+        **reference_options(args.beta, args.ref_sync_steps),
+    )
     recorder = Recorder()
     callbacks = [recorder]
     if args.scenario in ("kill_self", "resume", "checkpoint"):
