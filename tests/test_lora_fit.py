@@ -1,5 +1,5 @@
 """A LoRA policy under a real `Trainer.fit` (tiny model, real rollout child, real PEFT): a bf16-mixed fit with gradient
-checkpointing ends by itself with finite metrics and trains only the adapters; its checkpoints hold the adapters,
+checkpointing and a KL to the adapters-disabled reference ends by itself with finite metrics and trains only the adapters; its checkpoints hold the adapters,
 a small fraction of the model, and resume to the exact adapter weights; `lightning-grpo export` writes folders that
 plain transformers (merged) and peft (adapter) load with the trained policy's log-probabilities.
 
@@ -52,7 +52,10 @@ def adapters(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def lora_module() -> GRPOModule:
-    return GRPOModule("tiny-random", learning_rate=1e-2, peft_config=LoraConfig(**LORA), gradient_checkpointing=True)
+    """LoRA with a KL term: the reference is the policy with its adapters disabled."""
+    return GRPOModule(
+        "tiny-random", learning_rate=1e-2, peft_config=LoraConfig(**LORA), gradient_checkpointing=True, beta=0.04
+    )
 
 
 def fit(folder: Path, *, ckpt_path: str | None = None) -> tuple[GRPOModule, pl.Trainer, AdapterSnapshots]:
@@ -91,6 +94,8 @@ def test_bf16_mixed_lora_fit_with_checkpointing_ends_by_itself_with_finite_metri
     assert len(metrics) == PROMPTS
     for name in ("loss", "ratio", "kl", "entropy", "reward"):
         assert all(math.isfinite(v) for v in metrics[name]), (name, list(metrics[name]))
+    kl = list(metrics["kl"])  # zero while the adapters are zero, then the trained adapters move away from the base
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 1e-6, kl
     base = dict(tiny_llama(0).named_parameters())
     for name, param in module.policy.named_parameters():
         if param.requires_grad:
