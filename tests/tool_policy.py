@@ -1,0 +1,167 @@
+"""A tiny policy that calls a tool, and scripted environments around it, for the multi-turn tests.
+
+A random tiny Llama never writes a well-formed tool call, so `tool_policy()` teaches one to (a short supervised fit,
+deterministic, on the real model and the real chat template): asked "Find it." with the tool `lookup(key)`, it
+answers `<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>`; after the tool result `42` it
+answers `42`; after the result `again` it calls the tool again. Everything else about it is the tiny model.
+
+The environments script the other side: `LookupEnv` answers `42` and rewards a rollout that looked the key up and
+answered 42; `LoopingEnv` always answers `again` (a policy that never stops calling tools); `RaisingEnv`,
+`HangingEnv`, `UnprintableEnv` and `BrokenRewardEnv` fail in one way each.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+PROMPT = [{"role": "user", "content": "Find it."}]
+CALL = {"type": "function", "function": {"name": "lookup", "arguments": {"key": "k"}}}
+
+
+class LookupEnv:
+    """`lookup(key)` answers 42; the reward is 1 for a rollout that looked `k` up and then answered 42."""
+
+    def reset(self, **row):
+        self.keys = []
+        return None
+
+    def lookup(self, key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: the key to look up.
+        """
+        self.keys.append(key)
+        return "42"
+
+    def get_reward(self) -> float:
+        return float(self.keys == ["k"])
+
+
+class LoopingEnv(LookupEnv):
+    def lookup(self, key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: the key to look up.
+        """
+        self.keys.append(key)
+        return "again"
+
+
+class RaisingEnv(LookupEnv):
+    def lookup(self, key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: the key to look up.
+        """
+        raise KeyError(f"no such key: {key}")
+
+
+class HangingEnv(LookupEnv):
+    def lookup(self, key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: the key to look up.
+        """
+        time.sleep(3600)
+        return "never"
+
+
+class _Unprintable:
+    def __str__(self):
+        raise RuntimeError("cannot print me")
+
+
+class UnprintableEnv(LookupEnv):
+    def lookup(self, key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: the key to look up.
+        """
+        return _Unprintable()
+
+
+class BrokenRewardEnv(LookupEnv):
+    def get_reward(self) -> float:
+        raise RuntimeError("the judge is down")
+
+
+class BrokenResetEnv(LookupEnv):
+    def reset(self, **row):
+        raise RuntimeError("the sandbox did not start")
+
+
+def lookup(key: str) -> str:
+    """Look a key up (a standalone tool).
+
+    Args:
+        key: the key to look up.
+    """
+    return "42"
+
+
+def _training_sequences(tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(context, target) pairs: the call, the answer after `42`, the call again after `again`."""
+    from lightning_grpo.rollout.chat import render_prompt
+
+    first = render_prompt(tokenizer, PROMPT, tools=[lookup])
+    called = [*PROMPT, {"role": "assistant", "content": "", "tool_calls": [CALL]}]
+    full = tokenizer.apply_chat_template(called, tools=[lookup], return_dict=False)
+    call_ids = full[len(first) : -1]  # the reply up to its <|im_end|>, without the template's trailing newline
+    pairs = [(first, call_ids)]
+    for result, target in (("42", tokenizer("42<|im_end|>")["input_ids"]), ("again", call_ids)):
+        context = render_prompt(tokenizer, [*called, {"role": "tool", "name": "lookup", "content": result}], tools=[lookup])
+        pairs.append((context, target))
+    return pairs
+
+
+def train_tool_policy(max_steps: int = 300, target_loss: float = 5e-3, log=None) -> torch.nn.Module:
+    """The tiny model (seed 0), fitted until its mean token loss on the three replies is below `target_loss`."""
+    from lightning_grpo.models import char_tokenizer, tiny_llama
+
+    pairs = _training_sequences(char_tokenizer())
+    width = max(len(c) + len(t) for c, t in pairs)
+    ids = torch.zeros(len(pairs), width, dtype=torch.long)
+    labels = torch.full((len(pairs), width), -100)
+    mask = torch.zeros(len(pairs), width, dtype=torch.long)
+    for row, (context, target) in enumerate(pairs):
+        sequence = context + target
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        labels[row, len(context) : len(sequence)] = torch.tensor(target)
+        mask[row, : len(sequence)] = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = tiny_llama(seed=0).train()
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.99))
+        for step in range(max_steps):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            if log is not None:
+                log(step, loss.item())
+            if loss.item() < target_loss:
+                break
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    return model.eval()
+
+
+def save_tool_policy(path: Path) -> Path:
+    """Train the policy and save its state dict to `path` (for subprocesses: `fit_tiny.py --policy path`)."""
+    torch.save(train_tool_policy().state_dict(), path)
+    return path
+
+
+def load_tool_policy(path: Path) -> torch.nn.Module:
+    from lightning_grpo.models import tiny_llama
+
+    model = tiny_llama(seed=0)
+    model.load_state_dict(torch.load(path))
+    return model.eval()
