@@ -105,6 +105,15 @@ def test_main_job_config_parses_with_smollm2_and_accuracy(capsys, in_process):
 
 
 @pytest.mark.timeout(120)
+def test_tools_config_gives_the_data_module_the_calculator_and_validation_its_turn_budget(in_process):
+    from lightning_grpo.tools import calculator
+
+    built = cli(["--config", str(CONFIGS / "tools.yaml")], run=False)
+    assert built.datamodule.tools == (calculator,) and built.datamodule.hparams.max_tool_calling_iterations == 2
+    assert built.model.model_name == "smollm2-135m-instruct" and built.model.hparams.val_max_tokens == 96
+
+
+@pytest.mark.timeout(120)
 def test_policy_written_once_reaches_the_data_module(capsys, in_process):
     built = cli(["--config", SMOKE, "--model.model", "tiny-random:3"], run=False)
     assert built.model.model_name == built.datamodule.model_name == "tiny-random:3"

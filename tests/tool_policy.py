@@ -73,6 +73,27 @@ class HangingEnv(LookupEnv):
         return "never"
 
 
+class GatedLookupEnv(LookupEnv):
+    """`lookup` marks `<gate>/called` and waits for `<gate>/open`: a test can change things between two turns."""
+
+    def reset(self, gate: str, **row):
+        self.gate = Path(gate)
+        self.keys = []
+
+    def lookup(self, key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: the key to look up.
+        """
+        (self.gate / "called").touch()
+        deadline = time.monotonic() + 60
+        while not (self.gate / "open").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.keys.append(key)
+        return "42"
+
+
 class _Unprintable:
     def __str__(self):
         raise RuntimeError("cannot print me")
@@ -117,7 +138,9 @@ def _training_sequences(tokenizer) -> list[tuple[list[int], list[int]]]:
     call_ids = full[len(first) : -1]  # the reply up to its <|im_end|>, without the template's trailing newline
     pairs = [(first, call_ids)]
     for result, target in (("42", tokenizer("42<|im_end|>")["input_ids"]), ("again", call_ids)):
-        context = render_prompt(tokenizer, [*called, {"role": "tool", "name": "lookup", "content": result}], tools=[lookup])
+        context = render_prompt(
+            tokenizer, [*called, {"role": "tool", "name": "lookup", "content": result}], tools=[lookup]
+        )
         pairs.append((context, target))
     return pairs
 
@@ -153,9 +176,25 @@ def train_tool_policy(max_steps: int = 300, target_loss: float = 5e-3, log=None)
     return model.eval()
 
 
-def save_tool_policy(path: Path) -> Path:
-    """Train the policy and save its state dict to `path` (for subprocesses: `fit_tiny.py --policy path`)."""
-    torch.save(train_tool_policy().state_dict(), path)
+def cached_tool_policy() -> Path:
+    """The trained policy's state dict in the cache folder, keyed by everything that determines it (trained once)."""
+    import hashlib
+    import inspect
+    import os
+
+    import transformers
+
+    from lightning_grpo.models import CHATML_TEMPLATE
+    from lightning_grpo.smollm2 import default_cache_dir
+
+    recipe = [inspect.getsource(f) for f in (_training_sequences, train_tool_policy, lookup)]
+    key = "\n".join([*recipe, CHATML_TEMPLATE, torch.__version__, transformers.__version__])
+    path = default_cache_dir() / "tests" / f"tool_policy-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(train_tool_policy().state_dict(), partial)
+        partial.replace(path)  # atomic: a concurrent session never reads half a file
     return path
 
 
@@ -165,3 +204,88 @@ def load_tool_policy(path: Path) -> torch.nn.Module:
     model = tiny_llama(seed=0)
     model.load_state_dict(torch.load(path))
     return model.eval()
+
+
+# -- checks of multi-turn samples ---------------------------------------------------------------------------------
+
+NOTEBOOK_CELL = '''
+class NotebookLookupEnv:
+    """Defined in a "notebook cell": a module the rollout child cannot import, so it travels by value."""
+
+    def reset(self, **row):
+        self.keys = []
+
+    def lookup(self, key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: the key to look up.
+        """
+        self.keys.append(key)
+        return "42"
+
+    def get_reward(self) -> float:
+        return float(self.keys == ["k"])
+'''
+
+
+def notebook_environment() -> type:
+    """`LookupEnv` as a notebook defines it: in `__main__` of a kernel, which a spawned process cannot import."""
+    namespace = {"__name__": "notebook_cell_not_importable"}
+    exec(NOTEBOOK_CELL, namespace)
+    return namespace["NotebookLookupEnv"]
+
+
+def policy_token_mask(tokenizer, input_ids) -> list[int]:
+    """1 on the tokens of the policy's replies (after each `<|im_start|>assistant\\n`, up to and including its
+    `<|im_end|>`), 0 on everything else: the system and user prompt and every tool result."""
+    import re
+
+    pieces = tokenizer.convert_ids_to_tokens(list(input_ids))
+    starts, position = [], 0
+    for piece in pieces:
+        starts.append(position)
+        position += len(piece)
+    text = "".join(pieces)
+    mask = [0] * len(pieces)
+    for reply in re.finditer(r"(?<=<\|im_start\|>assistant\n)(?:(?!<\|im_start\|>).)*?(?:<\|im_end\|>|$)", text, re.S):
+        for index, start in enumerate(starts):
+            if reply.start() <= start < reply.end():
+                mask[index] = 1
+    return mask
+
+
+def check_conversation_samples(samples, model, tokenizer, *, temperature: float, reward_column: str) -> int:
+    """Assert what every multi-turn sample must satisfy; returns how many of them called a tool.
+
+    Their masks train exactly the policy's tokens, their logprobs equal a teacher-forced forward of the whole
+    conversation (<= 1e-4), and the environment's reward (1 for a rollout that looked `k` up once) is the sample's
+    reward column and the source of its advantage.
+    """
+    import numpy as np
+
+    from lightning_grpo.rollout.advantages import compute_group_advantages
+    from lightning_grpo.rollout.sampling import teacher_forced_logprobs
+
+    called = 0
+    for sample in samples:
+        ids = sample.input_ids.tolist()
+        assert sample.completion_mask.tolist() == policy_token_mask(tokenizer, ids), tokenizer.decode(ids)
+        start = int(sample.completion_mask.argmax())
+        reference = teacher_forced_logprobs(model, ids[:start], ids[start:], temperature=temperature).numpy()
+        trained = sample.completion_mask[start:].astype(bool)
+        np.testing.assert_allclose(sample.old_log_probs[start:][trained], reference[trained], atol=1e-4)
+        assert (sample.old_log_probs[start:][~trained] == 0).all()
+        messages = sample.completion
+        ran = [
+            m
+            for m, after in zip(messages, messages[1:], strict=False)
+            if m.get("tool_calls") and after["role"] == "tool"
+        ]
+        looked_up = [c["function"]["arguments"].get("key") for m in ran for c in m["tool_calls"]]
+        assert sample.metrics[f"rewards/{reward_column}"] == float(looked_up == ["k"])
+        called += bool(ran)
+    rewards = np.array([[s.metrics[f"rewards/{reward_column}"] for s in samples]])
+    _, advantages = compute_group_advantages(rewards, np.ones(1))
+    np.testing.assert_allclose([s.advantage for s in samples], advantages, atol=1e-6)
+    return called
