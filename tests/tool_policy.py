@@ -208,31 +208,13 @@ def load_tool_policy(path: Path) -> torch.nn.Module:
 
 # -- checks of multi-turn samples ---------------------------------------------------------------------------------
 
-NOTEBOOK_CELL = '''
-class NotebookLookupEnv:
-    """Defined in a "notebook cell": a module the rollout child cannot import, so it travels by value."""
-
-    def reset(self, **row):
-        self.keys = []
-
-    def lookup(self, key: str) -> str:
-        """Look a key up.
-
-        Args:
-            key: the key to look up.
-        """
-        self.keys.append(key)
-        return "42"
-
-    def get_reward(self) -> float:
-        return float(self.keys == ["k"])
-'''
-
-
 def notebook_environment() -> type:
     """`LookupEnv` as a notebook defines it: in `__main__` of a kernel, which a spawned process cannot import."""
+    import inspect
+
+    cell = inspect.getsource(LookupEnv).replace("class LookupEnv:", "class NotebookLookupEnv:")
     namespace = {"__name__": "notebook_cell_not_importable"}
-    exec(NOTEBOOK_CELL, namespace)
+    exec(cell, namespace)  # as a kernel runs a cell: the class's module is nothing a spawned process can import
     return namespace["NotebookLookupEnv"]
 
 
