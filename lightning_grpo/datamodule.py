@@ -56,9 +56,11 @@ class GRPODataModule(pl.LightningDataModule):
     automatically.
 
     Raises:
-        ValueError: a bad option (every problem in one message), a reward or loop import path that does not import,
-            `loop_kwargs` that set the data module's own options; in `setup`, a dataset without a `prompt` column or a
-            group that can never fit one optimizer step (the message names the knob).
+        ValueError: a bad option (every problem in one message), a reward, tool, environment or loop import path
+            that does not import, a tool without a schema (type hints and an `Args:` docstring), an environment class
+            without `reset`, `loop_kwargs` that set the data module's own options; in `setup`, a dataset without a
+            `prompt` column, prompts the tokenizer cannot render (chat messages without a chat template, tools with
+            raw-text prompts) or a group that can never fit one optimizer step (the message names the knob).
         FileNotFoundError: a dataset file that does not exist.
 
     Args:
@@ -77,7 +79,8 @@ class GRPODataModule(pl.LightningDataModule):
         val_size: held-out prompts to keep.
         reward_funcs: callables or import paths (`"lightning_grpo.rewards.accuracy"`, `"my_pkg.rewards:fmt"`) with
             TRL's reward signature.
-        reward_weights: one weight per reward function (default all 1).
+        reward_weights: one weight per reward column: the reward functions', then one per environment class with a
+            `get_reward` (default all 1).
         multi_objective_aggregation: `"sum_then_normalize"` (GRPO) or `"normalize_then_sum"` (GDPO).
         scale_rewards: `"group"`, `"batch"` or `"none"`.
         reward_num_workers: processes scoring synchronous rewards (0: threads, unsafe for CPU-heavy rewards).
