@@ -201,7 +201,7 @@ def main() -> None:
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--concurrent", type=int, default=2, help="groups in flight at once")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--temperature", type=float, default=1.0)
     args = parser.parse_args()
 
     setup = tiny_setup() if args.model == "tiny" else smollm2_setup()

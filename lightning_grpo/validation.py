@@ -113,10 +113,9 @@ def validation_rollouts(
         if environments is not None:
             scored = [env if ok else None for env, ok in zip(taken, batch.environment_ok, strict=True)]
             results = _run(_gather(_reward(spec, env, guards) for env in scored))
-            batch.environment_rewards = {
-                cls.__name__: [r[1] if r is not None and r[0] is cls else None for r in results]
-                for cls in environments.reward_types
-            }
+            batch.environment_rewards = dict(
+                zip(environments.reward_names, environments.reward_columns(results), strict=True)
+            )
     finally:
         policy.set_attn_implementation(previous)
         for name, environment in zip(names, taken, strict=True):

@@ -26,6 +26,7 @@ from tool_policy import (
     notebook_environment,
 )
 
+from lightning_grpo._trl import TreeRow
 from lightning_grpo.rollout.generator import GeneratorSpec, PolicySpec
 from lightning_grpo.rollout.worker import GRPORolloutWorker
 from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer
@@ -109,6 +110,11 @@ def test_a_notebook_environments_tool_calls_train_only_the_policys_tokens_with_e
             samples, tool_policy, tokenizer, temperature=TEMPERATURE, reward_column="NotebookLookupEnv"
         )
         assert called >= 1, [s.completion for s in samples]  # the policy called its tool in every group
+        row = TreeRow()  # what a training row forwards: the group's conversations share their prompt at least
+        for sample in samples:
+            row.add({"input_ids": sample.input_ids, "completion_mask": sample.completion_mask, "group_id": 0})
+        prompt = int(samples[0].completion_mask.argmax())
+        assert len(row.tokens) <= sum(s.num_tokens for s in samples) - (len(samples) - 1) * (prompt - 1)
         calls += sum(s.metrics.get("tools/call_frequency", 0) for s in samples)
         assert all(s.model_version == 0 for s in samples)
     assert metrics["tools/lookup/call_total"] == calls

@@ -208,6 +208,7 @@ def load_tool_policy(path: Path) -> torch.nn.Module:
 
 # -- checks of multi-turn samples ---------------------------------------------------------------------------------
 
+
 def notebook_environment() -> type:
     """`LookupEnv` as a notebook defines it: in `__main__` of a kernel, which a spawned process cannot import."""
     import inspect

@@ -64,6 +64,11 @@ class Environments:
         """The reward columns the environments add, after the reward functions': their class names."""
         return [cls.__name__ for cls in self.reward_types]
 
+    def reward_columns(self, rewards: list[tuple[type, float | None] | None]) -> list[list[float | None]]:
+        """Per-rollout `reward()` results as one column per reward type (`reward_names` order), None where that
+        type did not score the rollout."""
+        return [[r[1] if r is not None and r[0] is cls else None for r in rewards] for cls in self.reward_types]
+
     def all_tools(self) -> list[Callable]:
         return [tool for tools in self.tools.values() for tool in tools]
 

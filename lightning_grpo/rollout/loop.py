@@ -402,8 +402,8 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
             **group.reward_kwargs,
         )
         columns = await asyncio.gather(*(self._call_reward(i, kwargs) for i in range(len(self.reward_funcs))))
-        for env_type in self._environments.reward_types if self._environments is not None else ():
-            columns.append([r[1] if r is not None and r[0] is env_type else None for r in group.env_rewards])
+        if self._environments is not None:
+            columns.extend(self._environments.reward_columns(group.env_rewards))
         if self._provides_rollout_reward:
             columns.append(list(group.rollout_rewards))
         table = np.array([[np.nan if r is None else float(r) for r in column] for column in columns], dtype=np.float64)
