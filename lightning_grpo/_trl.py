@@ -16,11 +16,20 @@ from typing import Any
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from trl.chat_template_utils import add_response_schema  # noqa: E402
+from trl.chat_template_utils import (  # noqa: E402
+    add_response_schema,
+    get_training_chat_template,
+    is_chat_template_prefix_preserving,
+    parse_response,
+    supports_tool_calling,
+)
+from trl.chat_template_utils import qwen3_template as hermes_response_template  # noqa: E402
 from trl.experimental.async_grpo.async_rollout_worker import (  # noqa: E402
     RolloutGroup,
     TrainingSequence,
+    TurnRecord,
     _AsyncRolloutLoop,
+    _chain_to_sequences,
     _child_main,
 )
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
@@ -30,18 +39,25 @@ __all__ = [
     "RolloutGroup",
     "TrainingSequence",
     "TreeRow",
+    "TurnRecord",
     "_AsyncRolloutLoop",
+    "_chain_to_sequences",
     "_child_main",
     "add_response_schema",
     "flash_attention_kernel",
     "flash_tree_attention",
     "get_callable_name",
+    "get_training_chat_template",
+    "hermes_response_template",
     "is_async_callable",
+    "is_chat_template_prefix_preserving",
     "iter_vllm_named_params",
     "nccl_weight_transfer_client",
     "round_lora_rank",
     "select_adapter_sync",
     "validate_lora_for_vllm_sync",
+    "parse_response",
+    "supports_tool_calling",
 ]
 
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from .pipeline.batch import StepBatch
     from .pipeline.ledger import RolloutProgress
+    from .tooling import ConversationSpec
     from .weights.sync import WeightSync
 
 
@@ -33,13 +34,16 @@ class RolloutContract:
         top_k: the generator's top-k (0 = off); likewise.
         min_p: the generator's min-p (None = off); likewise.
         max_completion_length: tokens per completion (validation's default budget).
-        reward_names: the rollout reward columns, in `StepBatch.reward_names` order.
+        reward_names: the rollout reward columns, in `StepBatch.reward_names` order: the reward functions', then one
+            per environment class with a `get_reward`.
         reward_weights: one weight per rollout reward column.
         multi_objective_aggregation: `"sum_then_normalize"` or `"normalize_then_sum"`.
         scale_rewards: `"group"`, `"batch"` or `"none"`.
         mask_truncated_completions: truncated completions train nothing.
         advantage_estimator: the advantages' baseline, `"grpo"`, `"rloo"` or `"reinforce_plus_plus"` (trainer-scored
             groups are scored with it).
+        conversation: how prompts become conversations (prompt format, tools, environments), which validation runs
+            the same way; None: single-turn chat prompts without tools.
     """
 
     tokenizer: Any
@@ -54,6 +58,7 @@ class RolloutContract:
     mask_truncated_completions: bool
     advantage_estimator: str = "grpo"
     min_p: float | None = None
+    conversation: ConversationSpec | None = None
 
     def __post_init__(self) -> None:
         if len(self.reward_weights) != len(self.reward_names):

@@ -1,8 +1,9 @@
 """Prompt datasets: the builtin synthetic arithmetic task, local `.jsonl` / `.parquet` files, `datasets.Dataset`s
 and Hugging Face Hub datasets.
 
-Every dataset has a `prompt` column of chat messages (a plain string is wrapped as one user message) plus whatever
-columns the reward functions read (the builtin `accuracy` reward reads `answer`).
+Every dataset has a `prompt` column, chat messages or a string, plus whatever columns the reward functions read (the
+builtin `accuracy` reward reads `answer`). How a prompt becomes token ids (the chat template, or a string as raw
+text) is `lightning_grpo.rollout.chat.render_prompt`'s business.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def check_columns(dataset: Dataset, required: set[str], *, source: str = "the pr
 
 
 def as_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A prompt as chat messages: a plain string becomes one user message."""
+    """A prompt as chat messages: a plain string becomes one user message (see `render_prompt` for raw text)."""
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
 
 

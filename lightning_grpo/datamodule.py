@@ -12,12 +12,13 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from datasets import Dataset
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from ._imports import resolve_callable
 from ._trl import get_callable_name
 from .contract import PolicySource, RolloutContract
-from .data import as_messages, check_columns, check_source, load_prompts
+from .data import check_columns, check_source, load_prompts
 from .options import checked_loop_kwargs, resolve_loop_cls, validate_options
 from .pipeline.batch import StepBatch
 from .pipeline.ledger import RolloutProgress
@@ -26,6 +27,7 @@ from .pipeline.stream import StepStream
 from .rollout.schedule import GroupSchedule
 from .session import RolloutSession, SessionOptions
 from .threads import trainer_threads_for
+from .tooling import ConversationSpec, resolve_environment_factory, resolve_tools
 from .weights.factory import (
     changed_scope,
     make_weight_transfer,
@@ -60,9 +62,11 @@ class GRPODataModule(pl.LightningDataModule):
     automatically.
 
     Raises:
-        ValueError: a bad option (every problem in one message), a reward or loop import path that does not import,
-            `loop_kwargs` that set the data module's own options; in `setup`, a dataset without a `prompt` column or a
-            group that can never fit one optimizer step (the message names the knob).
+        ValueError: a bad option (every problem in one message), a reward, tool, environment or loop import path
+            that does not import, a tool without a schema (type hints and an `Args:` docstring), an environment class
+            without `reset`, `loop_kwargs` that set the data module's own options; in `setup`, a dataset without a
+            `prompt` column, prompts the tokenizer cannot render (chat messages without a chat template, tools with
+            raw-text prompts) or a group that can never fit one optimizer step (the message names the knob).
         FileNotFoundError: a dataset file that does not exist.
 
     Args:
@@ -70,6 +74,10 @@ class GRPODataModule(pl.LightningDataModule):
         tokenizer: a tokenizer name or path when it differs from `model` (or the policy is an `nn.Module`).
         dataset: `"arithmetic"` (builtin), a `.jsonl`/`.parquet` path, a `datasets.Dataset`, or a Hub dataset name. It
             needs a `prompt` column (chat messages or a string) plus the columns the reward functions read.
+        prompt_format: how a string `prompt` is used: `"auto"` (one user message when the tokenizer has a chat
+            template, else raw text), `"chat"` (always one user message) or `"text"` (always raw text, TRL's
+            standard format: no template, and completions reach the rewards as strings). Chat messages always use
+            the template.
         dataset_size: keep the first rows (or generate this many for `"arithmetic"`).
         dataset_seed: seed of the builtin generator.
         val_dataset: held-out prompts for `validation_step`; default: the builtin task with another seed when
@@ -77,7 +85,8 @@ class GRPODataModule(pl.LightningDataModule):
         val_size: held-out prompts to keep.
         reward_funcs: callables or import paths (`"lightning_grpo.rewards.accuracy"`, `"my_pkg.rewards:fmt"`) with
             TRL's reward signature.
-        reward_weights: one weight per reward function (default all 1).
+        reward_weights: one weight per reward column: the reward functions', then one per environment class with a
+            `get_reward` (default all 1).
         multi_objective_aggregation: `"sum_then_normalize"` (GRPO) or `"normalize_then_sum"` (GDPO).
         scale_rewards: `"group"` (divide by the group's std), `"batch"` (by one std over each optimizer step's groups,
             GRPOTrainer's form over its batch) or `"none"`.
@@ -126,7 +135,21 @@ class GRPODataModule(pl.LightningDataModule):
             that overrides `_trainer_score_payload` to send trainer scorers what they need beyond the samples
             (EBFT's reference features) or scores each rollout itself (`_provides_rollout_reward`).
         loop_kwargs: extra keyword arguments for the loop: `loop_cls`'s own, or TRL loop arguments this data module
-            does not set (such as `tools`). They travel to the child with cloudpickle.
+            does not set (such as `chat_template_kwargs`). They travel to the child with cloudpickle.
+        tools: functions the policy may call (callables or import paths, TRL's `tools`): each needs type hints and
+            a docstring with `Args:`, from which the chat template shows it to the policy. Rollouts become
+            conversations: the policy's tool calls run, their results are context for its next turn (never
+            trained). A tool that raises, hangs past `tool_timeout` or returns something unprintable answers with
+            an error message and is counted (`tools/*`). They travel to the child with cloudpickle.
+        environment_factory: a class or function making an environment (or an import path, or a dict of them picked
+            by each row's `environment` column; TRL's `environment_factory`): `reset(**row)` starts a rollout (a
+            string it returns is appended to the prompt), its public methods are the rollout's tools, and
+            `get_reward()` (optional) is one more reward column named after its class. A `reset` or `get_reward`
+            that fails scores the rollout NaN, never 0.
+        max_tool_calling_iterations: tool rounds in one conversation; a policy that asks for more is cut off there
+            (counted in `tools/loop_exhausted_frac`). None: no limit (TRL's default, which lets a policy that never
+            stops calling tools run until its context overflows).
+        tool_timeout: seconds a tool call, an environment's `reset` or its `get_reward` may take; None: no limit.
     """
 
     def __init__(
@@ -172,10 +195,24 @@ class GRPODataModule(pl.LightningDataModule):
         val_batch_size: int = 16,
         loop_cls: str | type | None = None,
         loop_kwargs: dict[str, Any] | None = None,
+        tools: Sequence[str | Callable] | None = None,
+        environment_factory: str | Callable | dict[str, str | Callable] | None = None,
+        max_tool_calling_iterations: int | None = 8,
+        tool_timeout: float | None = 60.0,
+        prompt_format: Literal["auto", "chat", "text"] = "auto",
     ) -> None:
         super().__init__()
         self.save_hyperparameters(
-            ignore=["dataset", "val_dataset", "reward_funcs", "loop_cls", "loop_kwargs", "weight_transfer"]
+            ignore=[
+                "dataset",
+                "val_dataset",
+                "reward_funcs",
+                "loop_cls",
+                "loop_kwargs",
+                "weight_transfer",
+                "tools",
+                "environment_factory",
+            ]
         )
         self.model_name = model
         self.tokenizer_name = tokenizer
@@ -189,6 +226,9 @@ class GRPODataModule(pl.LightningDataModule):
             check_source(source)
         self.loop_cls = resolve_loop_cls(loop_cls)
         self.loop_kwargs = checked_loop_kwargs(loop_kwargs)
+        self.tools = resolve_tools(tools)
+        self.environment_factory = resolve_environment_factory(environment_factory)
+        self.conversation: ConversationSpec | None = None
         self.weight_transfer = weight_transfer
         self.train_prompts: Dataset | None = None
         self.val_prompts: Dataset | None = None
@@ -227,11 +267,12 @@ class GRPODataModule(pl.LightningDataModule):
         check_columns(prompts, {"prompt"}, source=f"dataset={self.dataset_source!r}")
         self.val_prompts = self._load_val_prompts()
         self.tokenizer = self._load_tokenizer()
+        self.conversation = self._conversation_spec(prompts)
         self.schedule = GroupSchedule(len(prompts), hp.epochs, hp.seed)
         self._progress = RolloutProgress(epochs_done=len(self.schedule), stall_groups=hp.stall_groups or len(prompts))
         if "progress" in self._restored:
             self._progress.load_state_dict(self._restored["progress"])
-        names = tuple(get_callable_name(func) for func in self.reward_funcs)
+        names = (*(get_callable_name(func) for func in self.reward_funcs), *self.conversation.reward_names)
         weights = tuple(hp.reward_weights[: len(names)]) if hp.reward_weights else (1.0,) * len(names)
         self._contract = RolloutContract(
             tokenizer=self.tokenizer,
@@ -246,8 +287,35 @@ class GRPODataModule(pl.LightningDataModule):
             mask_truncated_completions=hp.mask_truncated_completions,
             advantage_estimator=hp.advantage_estimator,
             min_p=hp.min_p,
+            conversation=self.conversation,
         )
         self.train_prompts = prompts
+
+    def _conversation_spec(self, prompts: Dataset) -> ConversationSpec:
+        """The tools, environments and prompt format, checked against the tokenizer and the first prompts."""
+        from .rollout.chat import ensure_tool_parser, prompt_problems
+
+        hp = self.hparams
+        spec = ConversationSpec(
+            tokenizer=self.tokenizer,
+            prompt_format=hp.prompt_format,
+            tools=self.tools,
+            environment_factory=self.environment_factory,
+            max_tool_calling_iterations=hp.max_tool_calling_iterations,
+            tool_timeout=hp.tool_timeout,
+        )
+        sources = {"dataset": prompts, "val_dataset": self.val_prompts}
+        problems = [
+            f"{what}: {problem}"
+            for what, rows in sources.items()
+            if rows is not None and "prompt" in rows.column_names
+            for problem in prompt_problems(rows[0]["prompt"], self.tokenizer, hp.prompt_format, tools=spec.uses_tools)
+        ]
+        if problems:
+            raise ValueError(f"GRPODataModule cannot render its prompts: {'; '.join(problems)}.")
+        if spec.uses_tools and (note := ensure_tool_parser(self.tokenizer)):
+            rank_zero_warn(note)
+        return spec
 
     def _load_val_prompts(self) -> Dataset | None:
         source = self.val_source
@@ -435,7 +503,9 @@ class GRPODataModule(pl.LightningDataModule):
         if self._session is not None:
             self._session.close()
         hp = self.hparams
-        eos = _eos_ids(self.tokenizer, module.policy)
+        from .models import eos_token_ids
+
+        eos = eos_token_ids(self.tokenizer, module.policy)
         options = SessionOptions(
             model_name=self.model_name or module.model_name or "policy",
             dataset=self.train_prompts,
@@ -448,6 +518,7 @@ class GRPODataModule(pl.LightningDataModule):
             world_size=self.trainer.world_size,
             groups_per_step=self.groups_per_step(),
             lora_name=getattr(self.weight_sync.transfer, "lora_name", None),
+            conversation=self.conversation,
         )
         self._session = RolloutSession.start(
             options,
@@ -470,12 +541,7 @@ class GRPODataModule(pl.LightningDataModule):
         return max(1, rows * (hp.samples_per_row or hp.num_generations) // hp.num_generations)
 
     def _prompt_token_ids(self) -> list[list[int]]:
-        return [
-            self.tokenizer.apply_chat_template(
-                as_messages(row["prompt"]), add_generation_prompt=True, return_dict=False
-            )
-            for row in self.train_prompts
-        ]
+        return [self.conversation.render(row) for row in self.train_prompts]
 
     def _generator_spec(self, module: PolicySource, eos: list[int]) -> Any:
         if self.hparams.generator != "embedded":
@@ -549,13 +615,6 @@ class GRPODataModule(pl.LightningDataModule):
     def on_exception(self, exception: BaseException) -> None:
         self.close()
         self._restore_threads()
-
-
-def _eos_ids(tokenizer: Any, policy: Any) -> list[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    configured = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
-    ids.update([configured] if isinstance(configured, int) else configured or [])
-    return sorted(ids)
 
 
 def _identity(item: Any) -> Any:

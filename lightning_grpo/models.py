@@ -16,18 +16,32 @@ from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTra
 
 TINY_MODEL = "tiny-random"
 
+# ChatML; with tools, a one-line system message names them (`Tools: lookup(key)`), a call is written
+# `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (TRL's Hermes parser reads it) and a result is a `tool`
+# turn. Terse on purpose: every character is a token of this tokenizer.
 CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}{{- '<|im_start|>system\nTools:' }}"
+    "{%- for tool in tools %}{%- set f = tool.function if tool.function is defined else tool %}"
+    "{{- ' ' + f.name + '(' + (f.parameters.properties | default({}) | list | join(', ')) + ')' }}{%- endfor %}"
+    "{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant\n' + (message.content or '') }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- set call = tool_call.function if tool_call.function is defined else tool_call %}"
+    "{{- '<tool_call>' + ({'name': call.name, 'arguments': call.arguments} | tojson) + '</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 _SPECIAL_TOKENS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
 
 
 def char_tokenizer() -> PreTrainedTokenizerBase:
-    """A character-level tokenizer built in code (printable ASCII plus newline), with a ChatML chat template.
+    """A character-level tokenizer built in code (printable ASCII plus newline), with a ChatML chat template that
+    can also write tool calls (see `CHATML_TEMPLATE`).
 
     Ids: `<pad>`=0, `<unk>`=1, `<|im_start|>`=2 (bos), `<|im_end|>`=3 (eos), then one id per character.
     """
@@ -120,3 +134,11 @@ def _resolve_path(name_or_path: str) -> str:
     if name_or_path.lower() == SMOLLM2_NAME:
         return str(smollm2_path())
     return name_or_path
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, policy: torch.nn.Module | None = None) -> list[int]:
+    """The ids that end a completion: the tokenizer's EOS plus the policy's `generation_config` EOS ids."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
+    ids.update([configured] if isinstance(configured, int) else configured or [])
+    return sorted(ids)

@@ -31,7 +31,8 @@ from .policy import (
 )
 from .reference import ReferenceModel, ReferencePolicy, adapters_start_at_zero, make_reference
 from .sharding import check_strategy, clip_gradient_norm, gradient_sync, is_fsdp2, is_sharded, shard_policy
-from .validation import greedy_completions
+from .tooling import ConversationSpec
+from .validation_metrics import ValidationTally, check_validation_options
 from .weights.adapters import adapter_config
 
 #: Checkpoint key of the reference model, present once `sync_ref_model` mixed it (it is the initial policy before).
@@ -53,8 +54,12 @@ class GRPOModule(pl.LightningModule):
     (`loss_type`, with its options under the same names, defaults and meanings), with the ratio taken against the
     generator's log-probabilities (as in TRL's async GRPO), each loss type normalised exactly over the step's ranks
     and micro-batches; with `beta > 0` a frozen reference model (`lightning_grpo.reference`) adds GRPOTrainer's KL
-    term. `validation_step` samples greedy completions of held-out prompts and scores them with the data module's
-    reward functions (`val/reward`, `val/rewards/<name>`), so `Trainer.validate` and `val_check_interval` work.
+    term. `validation_step` runs the training rollouts' conversations
+    (prompt format, tools, environments) on held-out prompts with the policy being trained, `num_generations_eval`
+    per prompt, greedy or sampled, and scores them with the data module's reward columns, weighted as in training:
+    `val/reward`, `val/rewards/<name>`, `val/pass@k`, `val/mean@k` (k = `num_generations_eval`), `val/unscored_frac`
+    and, with tools, `val/tools/*`. NaN rewards stay "not scored": every mean is over the completions that were
+    scored. `Trainer.validate` and `val_check_interval` work.
 
     LoRA: with `peft_config` the policy is wrapped with PEFT adapters in `configure_model`; only the adapters train
     (and are in the optimizer), checkpoints hold the adapters (plus optimizer and run state), not the base weights,
@@ -128,6 +133,13 @@ class GRPOModule(pl.LightningModule):
             Checked here against the policy's modules (a policy given by name: against its config, weightless).
             A `peft.PeftModel` passed as `model` keeps its adapters (its active adapter's config is taken).
         gradient_checkpointing: recompute each decoder layer's activations in the backward (less memory, more time).
+        val_max_tokens: tokens per validation turn; default the data module's `max_completion_length`.
+        num_generations_eval: completions per held-out prompt (TRL's name; the k of `val/pass@k`). TRL's default is
+            `num_generations`; here 1, since validation is greedy by default.
+        val_temperature: 0 for greedy validation; above 0, sampled at this temperature (with the data module's
+            `top_p` and `top_k`), which `num_generations_eval > 1` needs.
+        val_pass_threshold: a completion passes (for `val/pass@k`, `val/mean@k`) when its weighted reward is at least
+            this.
 
     Raises:
         ValueError: a non-positive `learning_rate` or `max_grad_norm`, a negative `warmup_steps`, `scorer_weights` of
@@ -184,6 +196,9 @@ class GRPOModule(pl.LightningModule):
         val_max_tokens: int | None = None,
         peft_config: LoraConfig | None = None,
         gradient_checkpointing: bool = False,
+        num_generations_eval: int = 1,
+        val_temperature: float = 0.0,
+        val_pass_threshold: float = 1.0,
     ) -> None:
         super().__init__()
         problems = [f"learning_rate={learning_rate}"] if not learning_rate > 0 else []
@@ -226,6 +241,7 @@ class GRPOModule(pl.LightningModule):
                 "with its adapters disabled, which TR-DPO cannot mix into (TRL refuses it too); set "
                 "`sync_ref_model=False` or train without LoRA."
             )
+        check_validation_options(num_generations_eval, val_temperature, val_max_tokens)
         self.model_name = model if isinstance(model, str) else None
         self.policy: Any = model if isinstance(model, torch.nn.Module) else None
         self.scorers = [_resolve_scorer(scorer) for scorer in scorers or []]
@@ -238,6 +254,7 @@ class GRPOModule(pl.LightningModule):
         self.contract: RolloutContract | None = None
         self._step_started: float | None = None
         self._generate_attention: str | None = None
+        self._val_tally: ValidationTally | None = None
 
     # -- model ------------------------------------------------------------------------------------------------------
 
@@ -465,22 +482,69 @@ class GRPOModule(pl.LightningModule):
 
     # -- validation -------------------------------------------------------------------------------------------------
 
+    def on_validation_epoch_start(self) -> None:
+        contract, hp = self.contract, self.hparams
+        self._val_tally = ValidationTally(
+            contract.reward_names, contract.reward_weights, hp.num_generations_eval, hp.val_pass_threshold
+        )
+
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
-        completions = greedy_completions(
+        """Every rank: conversations on this rank's held-out prompts, scored into this epoch's tally."""
+        from .models import eos_token_ids
+        from .validation import Sampling, reward_columns, validation_rollouts
+
+        contract, hp = self.contract, self.hparams
+        sharded = is_sharded(self.policy, self.trainer.model)
+        sampling = Sampling(
+            max_tokens=hp.val_max_tokens or contract.max_completion_length,
+            temperature=hp.val_temperature,
+            top_p=contract.top_p,
+            top_k=contract.top_k,
+            attention=self._generate_attention,
+            fixed_length=sharded,
+        )
+        rollouts = validation_rollouts(
             self.policy,
             batch,
-            self.contract.tokenizer,
-            max_tokens=self.hparams.val_max_tokens or self.contract.max_completion_length,
-            attention=self._generate_attention,
-            fixed_length=is_sharded(self.policy, self.trainer.model),
+            self._conversation(),
+            sampling,
+            num_generations=hp.num_generations_eval,
+            eos_token_ids=eos_token_ids(contract.tokenizer, self.policy),
+            sync_active=self._most_active_over_ranks if sharded else None,
         )
-        rewards = self.trainer.datamodule.score_completions(completions, batch)
-        size = len(batch)
-        total = torch.tensor([math.fsum(_nan_to_zero(sum(vals) for vals in zip(*rewards.values(), strict=True)))])
-        self.log("val/reward", total / size, batch_size=size, sync_dist=True, on_epoch=True, prog_bar=True)
-        for name, values in rewards.items():
-            value = torch.tensor([math.fsum(_nan_to_zero(values)) / size])
-            self.log(f"val/rewards/{name}", value, batch_size=size, sync_dist=True, on_epoch=True)
+        scored = self.trainer.datamodule.score_completions(rollouts.completions, rollouts.rows)
+        columns = reward_columns(rollouts, scored, list(contract.reward_names))
+        k = hp.num_generations_eval
+        for start in range(0, columns.shape[1], k):
+            self._val_tally.add_prompt(columns[:, start : start + k])
+        for conversation in rollouts.conversations:
+            self._val_tally.add_conversation(
+                conversation.tool_calls, conversation.tool_failures, conversation.loop_exhausted
+            )
+
+    def on_validation_epoch_end(self) -> None:
+        """Every rank: add the ranks' tallies (one all-reduce) and log `val/*`, NaN where nothing was scored."""
+        tally, self._val_tally = self._val_tally, None
+        if tally is None:
+            return
+        totals = tally.tensor().to(self.device)
+        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(totals)
+        metrics = tally.metrics(totals.cpu(), tools=self._conversation().uses_tools)
+        reward = metrics.pop("val/reward")
+        # Every rank holds the same exact values already; "max" over ranks keeps them bit for bit.
+        self.log("val/reward", reward, on_epoch=True, prog_bar=True, sync_dist=True, reduce_fx="max")
+        self.log_dict(metrics, on_epoch=True, sync_dist=True, reduce_fx="max")
+
+    def _conversation(self) -> ConversationSpec:
+        return self.contract.conversation or ConversationSpec(tokenizer=self.contract.tokenizer)
+
+    def _most_active_over_ranks(self, active: int) -> int:
+        """The most conversations still running on any rank (every rank calls it once per validation turn)."""
+        value = torch.tensor([active], device=self.device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+        return int(value.item())
 
 
 def _resolve_scorer(scorer: Any) -> Any:
@@ -499,10 +563,6 @@ def _resolve_scorer(scorer: Any) -> Any:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _nan_to_zero(values: Any) -> list[float]:
-    return [0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in values]
 
 
 def _max_steps_reached(trainer: pl.Trainer) -> bool:

@@ -62,6 +62,12 @@ def validate_options(hp: Any) -> None:
         )
     if hp.vllm_transfer not in ("auto", "http", "nccl", "lora"):
         problems.append(f"vllm_transfer={hp.vllm_transfer!r} (one of 'auto', 'http', 'nccl', 'lora')")
+    if hp.max_tool_calling_iterations is not None and hp.max_tool_calling_iterations < 0:
+        problems.append(f"max_tool_calling_iterations={hp.max_tool_calling_iterations} (must be at least 0, or None)")
+    if hp.tool_timeout is not None and not hp.tool_timeout > 0:
+        problems.append(f"tool_timeout={hp.tool_timeout} (must be positive, or None for no limit)")
+    if hp.prompt_format not in ("auto", "chat", "text"):
+        problems.append(f"prompt_format={hp.prompt_format!r} (one of 'auto', 'chat', 'text')")
     if problems:
         raise ValueError(f"GRPODataModule got invalid options: {'; '.join(problems)}.")
 

@@ -15,6 +15,7 @@ from typing import Any
 from .metrics import MetricWindow
 from .pipeline.ledger import RolloutProgress
 from .pipeline.stream import RolloutPipeline
+from .tooling import ConversationSpec
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class SessionOptions:
     loop_kwargs: dict[str, Any]
     world_size: int
     groups_per_step: int
+    conversation: ConversationSpec  # prompt rendering, tools and environments
     lora_name: str | None = None  # the served adapter's name prefix (adapter-only vLLM sync; TRL's loop argument)
 
 
@@ -141,6 +143,7 @@ def _make_worker(options: SessionOptions, progress: RolloutProgress, *, generato
         groups_per_step=options.groups_per_step,
         max_staleness=hp.max_staleness,
         lora_name=options.lora_name,
+        **options.conversation.loop_options(),
     )
     if loop_options.keys() != LOOP_OPTION_NAMES:  # the two lists are kept together on purpose
         raise RuntimeError(f"LOOP_OPTION_NAMES is out of date: {sorted(loop_options.keys() ^ LOOP_OPTION_NAMES)}")
@@ -184,6 +187,11 @@ LOOP_OPTION_NAMES = frozenset(
         "groups_per_step",
         "max_staleness",
         "lora_name",
+        "tools",
+        "environment_factory",
+        "max_tool_calling_iterations",
+        "tool_timeout",
+        "prompt_format",
     }
 )
 
@@ -203,7 +211,7 @@ def _planner_kwargs(options: SessionOptions, scorers: Sequence[Any]) -> dict[str
 def _make_collator(options: SessionOptions, progress: RolloutProgress, scorers: Sequence[Any]) -> Any:
     from ._trl import get_callable_name
 
-    names = [get_callable_name(func) for func in options.reward_funcs]
+    names = [get_callable_name(func) for func in options.reward_funcs] + options.conversation.reward_names
     hp = options.hparams
     kwargs = dict(
         num_processes=options.world_size,

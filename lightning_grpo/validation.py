@@ -1,62 +1,224 @@
-"""Held-out validation: greedy completions of held-out prompts from the policy being trained."""
+"""Held-out validation: the policy being trained holds the same conversations as the training rollouts.
+
+`validation_rollouts` runs `num_generations` conversations per held-out prompt, all of a batch's turns in one
+left-padded `generate` call (greedy, or sampled at a temperature), with the run's tools and environments
+(`lightning_grpo.rollout.conversation.Conversation`, the rollout loop's own state machine; tool and environment
+faults are contained as in training). Under a sharded policy, whose forward is a collective, every rank runs the
+same number of turns (the most any rank needs) and every turn runs all `max_tokens` forwards.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+from collections import defaultdict
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from .data import as_messages
+from .rollout.conversation import Conversation
+from .rollout.environments import prompt_of, tool_methods, with_observation
+from .rollout.tool_calls import ToolCaller
+from .tooling import ConversationSpec
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How validation generates: greedy at `temperature=0`, else sampled with top-p/top-k.
+
+    Attributes:
+        max_tokens: tokens per turn.
+        temperature: 0 for greedy.
+        top_p: nucleus mass kept when sampling.
+        top_k: tokens kept by rank when sampling (0: all).
+        attention: the attention implementation for a padded batch (the policy's loaded one, not tree attention).
+        fixed_length: run all `max_tokens` forwards of every turn, and the same number of turns on every rank
+            (`sync_active`); needed where the policy's forward is a collective (a sharded policy).
+    """
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    attention: str = "sdpa"
+    fixed_length: bool = False
+
+
+@dataclass
+class ValidationRollouts:
+    """The conversations of one validation batch, `num_generations` per row, row-major, and what scored them.
+
+    Attributes:
+        rows: each held-out row, repeated `num_generations` times.
+        conversations: one per entry of `rows`.
+        environment_ok: per conversation, False when its environment's `reset` failed (scored NaN in every column).
+        environment_rewards: `{column name: rewards}` of the environments with a `get_reward` (None: not scored).
+        counters, rates: tool and environment metrics (TRL's names).
+    """
+
+    rows: list[dict[str, Any]]
+    conversations: list[Conversation] = field(default_factory=list)
+    environment_ok: list[bool] = field(default_factory=list)
+    environment_rewards: dict[str, list[float | None]] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    rates: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0.0, 0.0]))
+
+    @property
+    def completions(self) -> list[Any]:
+        return [conversation.completion for conversation in self.conversations]
 
 
 @torch.no_grad()
-def greedy_completions(
+def validation_rollouts(
     policy: torch.nn.Module,
     rows: list[dict[str, Any]],
-    tokenizer: Any,
+    spec: ConversationSpec,
+    sampling: Sampling,
     *,
-    max_tokens: int,
-    attention: str,
-    fixed_length: bool = False,
-) -> list[list[dict[str, str]]]:
-    """One greedy completion per row's `prompt`, as an assistant message, from a left-padded batched `generate`.
+    num_generations: int = 1,
+    eos_token_ids: list[int],
+    sync_active: Callable[[int], int] | None = None,
+) -> ValidationRollouts:
+    """Run `num_generations` conversations per row with `policy`; see the module docstring.
 
     Args:
-        policy: the policy (in its train-time attention; switched to `attention` for the padded batch and back).
-        rows: held-out dataset rows, each with a `prompt` (chat messages or a string).
-        tokenizer: the policy's tokenizer (its chat template renders each prompt).
-        max_tokens: tokens per completion.
-        attention: the attention implementation for a padded batch (the policy's loaded one, not tree attention).
-        fixed_length: run all `max_tokens` steps and cut each completion at its EOS afterwards. Needed where the
-            policy's forward is a collective (a sharded policy): an early stop at EOS would differ between ranks.
+        policy: the policy (switched to `sampling.attention` for the padded batches and back).
+        rows: held-out dataset rows, each with a `prompt`.
+        spec: the run's prompt format, tools and environments (the contract's `conversation`).
+        sampling: generation options.
+        num_generations: conversations per row.
+        eos_token_ids: ids that end a turn.
+        sync_active: with `fixed_length`, the most conversations still running on any rank, given this rank's (an
+            all-reduce); a rank with none left keeps generating a dummy turn while another rank has some.
     """
-    prompts = [
-        tokenizer.apply_chat_template(as_messages(row["prompt"]), add_generation_prompt=True, return_dict=False)
-        for row in rows
-    ]
-    device = next(policy.parameters()).device
-    width = max(len(p) for p in prompts)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    batch = ValidationRollouts(rows=[row for row in rows for _ in range(num_generations)])
+    environments = spec.environments
+    names = [environments.name_of(row) if environments else None for row in batch.rows]
+    taken = [environments.acquire(name) if environments else None for name in names]
+    guards = dict(timeout=spec.tool_timeout, counters=batch.counters, rates=batch.rates)
     previous = policy.config._attn_implementation
-    policy.set_attn_implementation(attention)
+    policy.set_attn_implementation(sampling.attention)
     try:
-        out = policy.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=pad,
-            eos_token_id=None if fixed_length else tokenizer.eos_token_id,
-        )
+        resets = _run(_gather(_reset(spec, row, env, guards) for row, env in zip(batch.rows, taken, strict=True)))
+        for row, environment, (observation, ok) in zip(batch.rows, taken, resets, strict=True):
+            prompt = with_observation(prompt_of(row, environment), observation)
+            batch.conversations.append(Conversation(prompt, spec.options, tools=spec.tools_for(row)))
+            batch.environment_ok.append(ok)
+        tools = [{tool.__name__: tool for tool in [*spec.tools, *tool_methods(env)]} for env in taken]
+        turns = _Turns(policy, sampling, eos_token_ids, spec.tokenizer, sync_active)
+        turns.run(batch.conversations, tools, ToolCaller(spec.tool_timeout, batch.counters, batch.rates))
+        if environments is not None:
+            scored = [env if ok else None for env, ok in zip(taken, batch.environment_ok, strict=True)]
+            results = _run(_gather(_reward(spec, env, guards) for env in scored))
+            batch.environment_rewards = dict(
+                zip(environments.reward_names, environments.reward_columns(results), strict=True)
+            )
     finally:
         policy.set_attn_implementation(previous)
-    completions = [_cut_at(row.tolist(), tokenizer.eos_token_id) for row in out[:, width:]]
-    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-    return [[{"role": "assistant", "content": text}] for text in texts]
+        for name, environment in zip(names, taken, strict=True):
+            if environment is not None:
+                environments.release(name, environment)
+    return batch
 
 
-def _cut_at(ids: list[int], eos: int | None) -> list[int]:
-    """`ids` up to and including the first `eos`."""
-    return ids[: ids.index(eos) + 1] if eos is not None and eos in ids else ids
+class _Turns:
+    """Turn after turn: one batched `generate` for every conversation still running, then their tool calls."""
+
+    def __init__(self, policy, sampling: Sampling, eos_token_ids, tokenizer, sync_active) -> None:
+        self.policy, self.sampling, self.eos, self.sync_active = policy, sampling, eos_token_ids, sync_active
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def run(self, conversations: list[Conversation], tools: list[dict[str, Callable]], caller: ToolCaller) -> None:
+        while self._keep_going(active := [i for i, c in enumerate(conversations) if not c.done]):
+            prompts = [conversations[i].prompt_ids() for i in active]
+            # a rank with nothing left still generates (one pad token) while another rank has conversations
+            outputs = generate(
+                self.policy, prompts or [[self.pad]], self.sampling, eos_token_ids=self.eos, pad_token_id=self.pad
+            )
+            pending = []
+            for i, prompt_ids, ids in zip(active, prompts, outputs, strict=False):
+                calls = conversations[i].add_turn(prompt_ids, ids, [0.0] * len(ids))  # logprobs are not needed here
+                if calls:
+                    pending.append((i, calls))
+            results = _run(_gather(caller.run(calls, tools[i]) for i, calls in pending))
+            for (i, _), result in zip(pending, results, strict=True):
+                conversations[i].add_tool_results(*result)
+
+    def _keep_going(self, active: list[int]) -> bool:
+        if self.sync_active is not None:
+            return self.sync_active(len(active)) > 0
+        return bool(active)
+
+
+def generate(
+    policy: torch.nn.Module,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    *,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+) -> list[list[int]]:
+    """One turn for each prompt from a left-padded batched `generate`: its ids, up to and including the first EOS."""
+    device = next(policy.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    sample = sampling.temperature > 0
+    options = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k) if sample else {}
+    out = policy.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=sampling.max_tokens,
+        do_sample=sample,
+        pad_token_id=pad_token_id,
+        eos_token_id=None if sampling.fixed_length else eos_token_ids,
+        **options,
+    )
+    return [_cut_at(row.tolist(), eos_token_ids) for row in out[:, width:]]
+
+
+def reward_columns(
+    batch: ValidationRollouts, function_rewards: dict[str, list[float | None]], names: list[str]
+) -> np.ndarray:
+    """`(len(names), len(batch.rows))` rewards in the contract's column order, NaN where not scored; every column is
+    NaN for a conversation whose environment failed to reset (as in training)."""
+    values = {**function_rewards, **batch.environment_rewards}
+    missing = [None] * len(batch.rows)
+    columns = np.array(
+        [[np.nan if r is None else float(r) for r in values.get(name, missing)] for name in names], dtype=np.float64
+    ).reshape(len(names), len(batch.rows))
+    columns[:, ~np.asarray(batch.environment_ok, dtype=bool)] = np.nan
+    return columns
+
+
+async def _reset(spec: ConversationSpec, row: dict[str, Any], environment: Any, guards: dict) -> tuple[Any, bool]:
+    if environment is None:
+        return None, True
+    return await spec.environments.reset(environment, row, **guards)
+
+
+async def _reward(spec: ConversationSpec, environment: Any, guards: dict) -> tuple[type, float | None] | None:
+    if environment is None:
+        return None
+    return await spec.environments.reward(environment, **guards)
+
+
+async def _gather(coroutines: Any) -> list[Any]:
+    return list(await asyncio.gather(*coroutines))
+
+
+def _run(coroutine: Coroutine) -> Any:
+    """Run `coroutine` to completion on a fresh event loop in a helper thread (a notebook's loop may be running)."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo-validation") as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def _cut_at(ids: list[int], eos_token_ids: list[int]) -> list[int]:
+    """`ids` up to and including the first EOS."""
+    for index, token in enumerate(ids):
+        if token in eos_token_ids:
+            return ids[: index + 1]
+    return ids

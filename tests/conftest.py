@@ -37,3 +37,23 @@ def no_leaked_processes():
     for p in leaked:
         p.kill()
     assert not leaked, f"processes left behind: {described}"
+
+
+@pytest.fixture(scope="session")
+def tool_policy_path():
+    """The state dict of the tiny policy taught to call `lookup` (see `tool_policy.py`).
+
+    Training it takes a few seconds, so it is kept in the cache folder (`lightning_grpo.smollm2.default_cache_dir`)
+    under a hash of its recipe, the chat template and the torch and transformers versions: the same file is
+    trained again only when one of them changes.
+    """
+    from tool_policy import cached_tool_policy
+
+    return cached_tool_policy()
+
+
+@pytest.fixture
+def tool_policy(tool_policy_path):
+    from tool_policy import load_tool_policy
+
+    return load_tool_policy(tool_policy_path)

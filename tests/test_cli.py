@@ -123,6 +123,14 @@ def test_lora_config_builds_a_lora_module_from_its_class_path_and_a_bad_target_e
     assert exit_info.value.code == 2 and "target_modules=['qkv']" in error and "q_proj, k_proj, v_proj" in error
 
 
+def test_tools_config_gives_the_data_module_the_calculator_and_validation_its_turn_budget(in_process):
+    from lightning_grpo.tools import calculator
+
+    built = cli(["--config", str(CONFIGS / "tools.yaml")], run=False)
+    assert built.datamodule.tools == (calculator,) and built.datamodule.hparams.max_tool_calling_iterations == 2
+    assert built.model.model_name == "smollm2-135m-instruct" and built.model.hparams.val_max_tokens == 96
+
+
 @pytest.mark.timeout(120)
 def test_policy_written_once_reaches_the_data_module(capsys, in_process):
     built = cli(["--config", SMOKE, "--model.model", "tiny-random:3"], run=False)

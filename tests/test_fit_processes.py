@@ -90,3 +90,22 @@ def test_ctrl_c_in_a_terminal_ends_the_fit_and_every_process_of_the_run(tmp_path
     assert code == 1, log[-3000:]
     assert "Detected KeyboardInterrupt, attempting graceful shutdown" in log
     assert len(results[0]["steps"]) == 1
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("devices", [1, 2], ids=["one_rank", "two_ddp_ranks"])
+def test_multi_turn_fit_with_an_environment_ends_by_itself_and_validates_its_conversations(
+    tmp_path, devices, tool_policy_path
+):
+    """The policy taught to call `lookup` trains on conversations with `LookupEnv` (reward column `LookupEnv`),
+    the run ends when its groups are consumed, and validation holds the same conversations on every rank."""
+    code, results = run_fit(
+        tmp_path, "--scenario", "tools", "--policy", str(tool_policy_path), "--devices", str(devices),
+        "--prompts", "6", "--validate",
+    )  # fmt: skip
+    assert code == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    assert set(results) == set(range(devices)) and all(r["error"] is None for r in results.values())
+    assert len({r["global_step"] for r in results.values()}) == 1 and results[0]["global_step"] > 0
+    assert results[0]["tool_samples"] > 0  # the trained samples are conversations that called the tool
+    assert len(all_groups(results)) == len(set(all_groups(results)))
+    assert results[0]["val_reward"] is not None

@@ -17,7 +17,14 @@ ASYNC_GRPO = "trl.experimental.async_grpo"
 
 #: module -> names imported from it
 MODULE_NAMES = {
-    f"{ASYNC_GRPO}.async_rollout_worker": ["_AsyncRolloutLoop", "_child_main", "RolloutGroup", "TrainingSequence"],
+    f"{ASYNC_GRPO}.async_rollout_worker": [
+        "_AsyncRolloutLoop",
+        "_child_main",
+        "RolloutGroup",
+        "TrainingSequence",
+        "TurnRecord",
+        "_chain_to_sequences",
+    ],
     f"{ASYNC_GRPO}.packing": ["TreeRow", "tree_attention", "_flash_attn"],
     f"{ASYNC_GRPO}.async_grpo_trainer": [
         "_iter_vllm_named_params",
@@ -27,7 +34,14 @@ MODULE_NAMES = {
     ],
     f"{ASYNC_GRPO}.weight_transfer": ["WeightTransferClient"],
     f"{ASYNC_GRPO}.vllm_client": ["VLLMClient"],
-    "trl.chat_template_utils": ["add_response_schema"],
+    "trl.chat_template_utils": [
+        "add_response_schema",
+        "get_training_chat_template",
+        "is_chat_template_prefix_preserving",
+        "parse_response",
+        "supports_tool_calling",
+        "qwen3_template",
+    ],
     "trl.trainer.utils": ["get_callable_name", "is_async_callable"],
 }
 
@@ -79,6 +93,8 @@ LOOP_ATTRIBUTES = [
     "_standalone_tools",
     "_multi_environment",
     "_env_reward_types",
+    "max_tool_calling_iterations",
+    "_fork_threshold_tokens",
 ]
 #: set only with an `environment_factory`
 ENVIRONMENT_ATTRIBUTES = ["_env_tools", "_environment_pool"]
@@ -111,6 +127,12 @@ ROLLOUT_GROUP_FIELDS = [
     "queued_at",
 ]
 TRAINING_SEQUENCE_FIELDS = ["input_ids", "completion_mask", "old_log_probs", "rollout_id"]
+TURN_RECORD_FIELDS = ["prompt_ids", "output_ids", "output_log_probs"]
+#: functions `Conversation` and `lightning_grpo.rollout.chat` call -> the parameters they pass
+FUNCTION_PARAMETERS = {
+    "_chain_to_sequences": ["turns", "rollout_id", "fork_threshold"],
+    "parse_response": ["tokenizer", "ids", "prefix", "tools"],
+}
 #: TreeRow members `ScoredRow` reads or rewrites (its `pop` undoes an `add` in place)
 TREE_ROW_MEMBERS = [
     "fits",
@@ -226,6 +248,19 @@ def test_every_private_trl_name_lightning_grpo_relies_on_is_where_it_was():
         for f in TRAINING_SEQUENCE_FIELDS
         if f not in {x.name for x in dataclasses.fields(TrainingSequence)}
     ]
+    from lightning_grpo import _trl
+
+    missing += [
+        f"TurnRecord.{f}" for f in TURN_RECORD_FIELDS if f not in {x.name for x in dataclasses.fields(_trl.TurnRecord)}
+    ]
+    for name, parameters in FUNCTION_PARAMETERS.items():
+        missing += [f"{name}({p}=...)" for p in parameters if p not in _parameters(getattr(_trl, name))]
+    template = _trl.hermes_response_template  # the Hermes parser: what the tiny and ChatML tool templates rely on
+    if (
+        template.get("start_anchor") != "<|im_start|>assistant\n"
+        or template["fields"]["tool_calls"].get("open") != "<tool_call>"
+    ):
+        missing.append("qwen3_template: Hermes-style <tool_call> after <|im_start|>assistant")
     row = TreeRow()
     missing += [f"TreeRow().{m}" for m in TREE_ROW_MEMBERS if not hasattr(row, m)]
     missing += [f"_child_main({p}=...)" for p in CHILD_MAIN_PARAMETERS if p not in _parameters(_child_main)]

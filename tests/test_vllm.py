@@ -347,6 +347,43 @@ def test_adapter_only_pushes_serve_the_lora_policy_under_a_new_name_per_version_
     assert not any(lora.shm_dir.glob(f"{lora._prefix}-*"))  # and removed their files
 
 
+@needs_vllm
+@pytest.mark.timeout(600)
+def test_multi_turn_rollouts_on_vllm_train_only_the_policys_tokens_and_carry_their_oldest_turns_version(
+    vllm_server, transfer, tokenizer, tool_policy, tmp_path, no_leaked_processes
+):
+    """The rollout test of `test_multi_turn.py` against the server: masks, logprobs of the whole conversation and the
+    environment's reward; and a sample whose first turn was sampled under version 3 and whose second turn under
+    version 4 (a push landed while its tool ran) carries version 3, the oldest."""
+    from tool_policy import PROMPT, GatedLookupEnv, check_conversation_samples
+
+    push(transfer, tool_policy, version=3)
+    dataset = Dataset.from_dict({"prompt": [PROMPT] * 2, "gate": [str(tmp_path)] * 2})
+    worker = start_worker(
+        vllm_server.url, tokenizer, dataset=dataset, reward_funcs=[], environment_factory=GatedLookupEnv,
+        max_tokens=80, max_inflight_tasks=4, max_tool_calling_iterations=2, shuffle=False,
+    )  # fmt: skip
+    try:
+        worker.update_model_version(3)
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "called").exists():  # group 0 is in its first tool call
+            assert time.monotonic() < deadline, "no rollout called the tool"
+            worker.check_health(stale_after_s=120)
+            time.sleep(0.05)
+        worker.update_model_version(4)  # a push lands (the same weights, so the logprobs still match)
+        (tmp_path / "open").touch()
+        groups = collect_groups(worker, 2, timeout=180)
+    finally:
+        worker.stop()
+    for group_id, version in ((0, 3), (1, 4)):  # group 1 was admitted after the push: all of it is version 4
+        samples = groups[group_id]
+        assert {s.model_version for s in samples} == {version}
+        called = check_conversation_samples(
+            samples, tool_policy, tokenizer, temperature=0.7, reward_column="GatedLookupEnv"
+        )
+        assert called >= 1
+
+
 # -- failures of the vLLM path in the rollout child -------------------------------------------------------------------
 
 

@@ -2,7 +2,8 @@
 
 Everything here runs inside the child process `GRPORolloutWorker` spawns. `GRPORolloutLoop` is TRL 1.16's rollout
 loop with GRPOTrainer's reward options and parallel scoring, a finite and reproducible group schedule, paced
-admission, and an embedded CPU generator besides TRL's vLLM HTTP path.
+admission, multi-turn rollouts with tools and environments whose faults stay contained, and an embedded CPU
+generator besides TRL's vLLM HTTP path.
 """
 
 from __future__ import annotations
@@ -10,12 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import functools
-import inspect
 import logging
 import time
-import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +27,15 @@ from .._trl import (
     get_callable_name,
     is_async_callable,
 )
-from ..data import as_messages
 from .advantages import compute_group_advantages, learning_signal
+from .chat import conversation_chat_template, ensure_tool_parser
+from .conversation import Conversation, ConversationOptions
+from .environments import Environments, prompt_of, tool_methods, with_observation
 from .records import LEARNING_SIGNAL, SCORE_PAYLOAD, RolloutSample
 from .reward_pool import RewardProcessPool
 from .schedule import GroupSchedule
 from .stop_strings import check_stop
+from .tool_calls import ToolCaller
 from .vllm_requests import VLLMRequests
 
 log = logging.getLogger(__name__)
@@ -62,15 +63,18 @@ class _Rollout:
     tool_calls: int
     tool_failures: int
     rollout_reward: float | None
-    env_reward: tuple[type, float] | None
-    model_version: int | None  # oldest weights that sampled a turn (embedded generator); None: unknown
+    env_reward: tuple[type, float | None] | None  # (environment class, reward; None when get_reward failed)
+    model_version: int | None  # oldest weights that sampled a turn; None: no turn was sampled
+    env_failed: bool = False  # its environment's reset failed: every reward column is NaN
     truncated: bool | None = None  # the last turn stopped at its token limit; None: unknown (judged by its EOS)
 
 
 @dataclass(slots=True)
 class _Group(RolloutGroup):
-    """TRL's group record plus whether each completion was truncated (an EOS id or a stop string ended it, or not)."""
+    """TRL's `RolloutGroup` plus which rollouts' environments failed to reset (scored NaN in every column) and
+    whether each completion was truncated (an EOS id or a stop string ended it, or not)."""
 
+    env_failed: list[bool] = field(default_factory=list)
     truncated: list[bool | None] = field(default_factory=list)
 
 
@@ -97,6 +101,13 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
     consumed stay below `(max_staleness + 1) * groups_per_step`, so with a steady trainer no group arrives staler
     than `max_staleness` and the trainer's stale drop stays a safety net.
 
+    Tools and environments (TRL's `tools`, `environment_factory`, `max_tool_calling_iterations`): each rollout is a
+    `Conversation`: every turn renders the conversation so far with the chat template, the policy's tool calls run
+    (see `ToolCaller`: a tool that raises, hangs past `tool_timeout` or returns something unprintable answers with an
+    error message and is counted), and the tool results are context for the next turn, never trained. An
+    environment whose `reset` fails scores its rollout NaN in every column; one whose `get_reward` fails, NaN in its
+    column. A sample's version is that of the oldest weights that sampled any of its turns.
+
     Args:
         reward_weights: one weight per reward column (reward functions, environment columns, rollout column).
             Default: all 1.
@@ -119,9 +130,11 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         consumed: group ids to skip (consumed by an earlier run).
         groups_per_step: prompt groups per optimizer step, the pacing unit; None disables pacing.
         max_staleness: policy versions a group may lag when it trains; pacing keeps groups within it.
+        tool_timeout: seconds a tool call, an environment's `reset` or its `get_reward` may take (None: no limit).
+        prompt_format: how string prompts are rendered: `"auto"`, `"chat"` or `"text"` (see `GRPODataModule`).
         **kwargs: TRL's `_AsyncRolloutLoop` arguments (model_name, dataset, reward_funcs, processing_class,
             eos_token_ids, num_generations, max_inflight_tasks, max_tokens, temperature, top_p, top_k, min_p,
-            repetition_penalty, ...).
+            repetition_penalty, tools, environment_factory, max_tool_calling_iterations, chat_template_kwargs, ...).
     """
 
     #: Set by subclasses that score each rollout in `_generate_one` (one more reward column).
@@ -149,12 +162,24 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         groups_per_step: int | None = None,
         max_staleness: int = 4,
         groups_consumed_value: Any = None,
+        tool_timeout: float | None = 60.0,
+        prompt_format: str = "auto",
         **kwargs: Any,
     ) -> None:
         tokenizer = kwargs["processing_class"]
         _ensure_response_parser(tokenizer, needs_tools=bool(kwargs.get("tools") or kwargs.get("environment_factory")))
         super().__init__(**kwargs)
         self.vllm_stop = check_stop(stop)
+        self._environments = self._probed_environments(kwargs.get("environment_factory"))
+        self._tool_timeout = tool_timeout
+        self._tool_caller = ToolCaller(tool_timeout, self._counters, self._rates)
+        self._conversation = ConversationOptions(
+            tokenizer=self.tokenizer,
+            prompt_format=prompt_format,
+            chat_template=conversation_chat_template(self.tokenizer, self.tools),
+            chat_template_kwargs=self.chat_template_kwargs,
+            max_tool_calling_iterations=self.max_tool_calling_iterations,
+        )
         self.reward_func_names = [*self.reward_func_names]
         if self._provides_rollout_reward:
             self.reward_func_names.append(self._rollout_reward_name)
@@ -182,6 +207,14 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         self._generator = generator.build() if generator is not None else None
 
     # -- set-up ------------------------------------------------------------------------------------------------------
+
+    def _probed_environments(self, environment_factory: Any) -> Environments | None:
+        """The environments, from the instances TRL's `__init__` already made to probe them (none made twice)."""
+        if environment_factory is None:
+            return None
+        return Environments(
+            environment_factory, probes={name: pool[0] for name, pool in self._environment_pool.items()}
+        )
 
     def _validated_weights(self, reward_weights: Iterable[float] | None) -> np.ndarray:
         names = self.reward_func_names
@@ -309,109 +342,76 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         return False
 
     async def _rollout(self, row: dict[str, Any], group_id: int) -> _Rollout:
-        """One conversation: draw and reset an environment (if any), generate, score the environment's reward."""
-        env_name = row.get("environment") if self._multi_environment else None
+        """One conversation: take and reset an environment (if any), converse, score the environment's reward."""
         versions: list[int] = []
         _turn_versions.set(versions)  # this task's own context: concurrent rollouts do not see it
         truncations: list[bool | None] = []
         _turn_truncations.set(truncations)
-        environment, observation = await self._draw_environment(env_name, row)
+        environments = self._environments
+        name = environments.name_of(row) if environments is not None else None
+        environment = environments.acquire(name) if environments is not None else None
+        guards = dict(timeout=self._tool_timeout, counters=self._counters, rates=self._rates)
+        observation, env_ok = None, True
         try:
-            prompt = _with_observation(_prompt_of(row, environment), observation)
-            tools = self._env_tools[env_name] if self.environment_factories is not None else self.tools
-            tool_dict = {tool.__name__: tool for tool in self._standalone_tools + _env_methods(environment)}
+            if environment is not None:
+                observation, env_ok = await environments.reset(environment, row, **guards)
+            prompt = with_observation(prompt_of(row, environment), observation)
+            tools = [*self._standalone_tools, *environments.tools[name]] if environments is not None else self.tools
+            tool_dict = {tool.__name__: tool for tool in self._standalone_tools + tool_methods(environment)}
             completion, completion_ids, sequences, calls, failures, rollout_reward = await self._generate_one(
                 prompt, tool_dict=tool_dict, tools=tools, group_id=group_id
             )
-            env_reward = await self._environment_reward(environment)
+            env_reward = None
+            if environment is not None and env_ok:
+                env_reward = await environments.reward(environment, **guards)
         finally:
             if environment is not None:
-                self._environment_pool[env_name].append(environment)
+                environments.release(name, environment)
         version = min(versions) if versions else None
-        truncated = truncations[-1] if truncations else None
         return _Rollout(
-            prompt,
-            completion,
-            completion_ids,
-            sequences,
-            calls,
-            failures,
-            rollout_reward,
-            env_reward,
-            version,
-            truncated,
-        )
-
-    async def _draw_environment(self, name: Any, row: dict[str, Any]) -> tuple[Any, Any]:
-        if self.environment_factories is None:
-            return None, None
-        if self._multi_environment and name not in self.environment_factories:
-            raise ValueError(
-                f"Example has `environment={name!r}`, which is not among the environments passed to "
-                f"`environment_factory`. Expected one of: {list(self.environment_factories)}."
-            )
-        pool = self._environment_pool[name]
-        environment = pool.pop() if pool else self.environment_factories[name]()
-        reset_kwargs = {k: v for k, v in row.items() if k != "environment"} if self._multi_environment else row
-        loop = asyncio.get_running_loop()
-        observation = await loop.run_in_executor(self._tool_pool, functools.partial(environment.reset, **reset_kwargs))
-        return environment, observation
-
-    async def _environment_reward(self, environment: Any) -> tuple[type, float] | None:
-        if environment is None or type(environment) not in self._env_reward_types:
-            return None
-        get_reward = environment.get_reward
-        if inspect.iscoroutinefunction(get_reward):
-            reward = await get_reward()
-        else:
-            reward = await asyncio.get_running_loop().run_in_executor(self._tool_pool, get_reward)
-        return type(environment), reward
+            prompt, completion, completion_ids, sequences, calls, failures, rollout_reward, env_reward, version,
+            env_failed=not env_ok, truncated=truncations[-1] if truncations else None,
+        )  # fmt: skip
 
     async def _generate_one(self, prompt, tool_dict, tools, group_id=0):
-        """One conversation. Without tools it is one turn, decoded as plain text (no response parser needed)."""
-        if tools:
-            return await super()._generate_one(prompt, tool_dict=tool_dict, tools=tools, group_id=group_id)
+        """One conversation (see `Conversation`); TRL's return value: `(completion, completion_ids, training rows,
+        tool calls, tool failures, rollout reward)`. Without tools it is one turn, decoded as plain text."""
         started = time.monotonic()
-        prompt_ids = self.tokenizer.apply_chat_template(
-            list(prompt), return_dict=False, add_generation_prompt=True, **self.chat_template_kwargs
-        )
-        ids, logprobs = await self._generate_one_turn(prompt_ids)
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        sequences = []
-        if ids:
-            sequences.append(
-                TrainingSequence(
-                    input_ids=list(prompt_ids) + list(ids),
-                    completion_mask=[0] * len(prompt_ids) + [1] * len(ids),
-                    old_log_probs=[0.0] * len(prompt_ids) + list(logprobs),
-                    rollout_id=uuid.uuid4().hex,
-                )
-            )
-        tally = {"clean": 0.0, "realign": 0.0, "fork": 0.0, "transitions": 0.0, "drift_tokens": 0.0, "drift_max": 0.0}
+        conversation = Conversation(prompt, self._conversation, tools=tools or ())
+        while not conversation.done:
+            prompt_ids = conversation.prompt_ids()
+            ids, logprobs = await self._generate_one_turn(prompt_ids)
+            calls = conversation.add_turn(prompt_ids, ids, logprobs)
+            if calls:
+                conversation.add_tool_results(*await self._tool_caller.run(calls, tool_dict))
+        sequences, tally = conversation.training_sequences(self._fork_threshold_tokens)
         self._push_rollout_metrics(
-            turns=1,
+            turns=len(conversation.turns),
             sequences=len(sequences),
-            completion_ids=list(ids),
+            completion_ids=conversation.completion_ids,
             tally=tally,
-            loop_exhausted=False,
+            loop_exhausted=conversation.loop_exhausted,
             duration_s=time.monotonic() - started,
         )
-        return [{"role": "assistant", "content": text}], list(ids), sequences, 0, 0, None
+        calls, failures = conversation.tool_calls, conversation.tool_failures
+        return conversation.completion, conversation.completion_ids, sequences, calls, failures, None
 
     async def _generate_one_turn(self, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
-        truncations = _turn_truncations.get()
+        """One turn, from the embedded generator or the vLLM server; records the version of the weights sampling it
+        (vLLM: the live version when the request is sent, never newer than the weights that serve it)."""
+        versions, truncations = _turn_versions.get(), _turn_truncations.get()
         if self._generator is None:
+            version = self.model_version
             ids, logprobs, truncated = await self._vllm_turn(prompt_ids)
-            if truncations is not None:
-                truncations.append(truncated)
-            return ids, logprobs
-        output = await self._generator.generate(prompt_ids)
-        versions = _turn_versions.get()
+        else:
+            output = await self._generator.generate(prompt_ids)
+            version, truncated = output.model_version, output.truncated
+            ids, logprobs = list(output.token_ids), list(output.logprobs)
         if versions is not None:
-            versions.append(output.model_version)
+            versions.append(version)
         if truncations is not None:
-            truncations.append(output.truncated)
-        return list(output.token_ids), list(output.logprobs)
+            truncations.append(truncated)
+        return ids, logprobs
 
     # -- scoring -----------------------------------------------------------------------------------------------------
 
@@ -434,11 +434,15 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
             **group.reward_kwargs,
         )
         columns = await asyncio.gather(*(self._call_reward(i, kwargs) for i in range(len(self.reward_funcs))))
-        for env_type in self._env_reward_types:
-            columns.append([r[1] if r is not None and r[0] is env_type else None for r in group.env_rewards])
+        if self._environments is not None:
+            columns.extend(self._environments.reward_columns(group.env_rewards))
         if self._provides_rollout_reward:
             columns.append(list(group.rollout_rewards))
-        return np.array([[np.nan if r is None else float(r) for r in column] for column in columns], dtype=np.float64)
+        table = np.array([[np.nan if r is None else float(r) for r in column] for column in columns], dtype=np.float64)
+        failed = getattr(group, "env_failed", None)  # a `_Group`; a subclass may build TRL's own RolloutGroup
+        if failed and any(failed):
+            table[:, np.asarray(failed, dtype=bool)] = np.nan
+        return table
 
     async def _call_reward(self, index: int, kwargs: dict[str, Any]) -> list[float | None]:
         func = self.reward_funcs[index]
@@ -503,6 +507,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
             extras[SCORE_PAYLOAD] = payload
         eos = set(self.eos_token_ids)
         samples = []
+        any_calls = sum(group.tool_call_counts) > 0
         for i, sequences in enumerate(group.completions_sequences):
             completion_ids = group.completions_ids[i]
             metrics = {
@@ -510,6 +515,10 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
                 "reward_std": reward_std,
                 **{f"rewards/{name}": float(columns[j, i]) for j, name in enumerate(self.reward_func_names)},
             }
+            if any_calls:  # TRL's per-rollout tool metrics, in groups where a tool was called
+                calls, failed = group.tool_call_counts[i], group.tool_failure_counts[i]
+                metrics["tools/call_frequency"] = float(calls)
+                metrics["tools/failure_frequency"] = failed / calls if calls else 0.0
             truncated = group.truncated[i] if isinstance(group, _Group) else None
             if truncated is None:
                 truncated = not completion_ids or completion_ids[-1] not in eos
@@ -548,9 +557,9 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
 def _assemble(group: RolloutGroup, rollouts: list[_Rollout]) -> RolloutGroup:
     """Fill `group` from its finished rollouts.
 
-    With the embedded generator the group's version becomes that of the oldest weights that sampled any of its
-    turns (a sync can land while a group is being generated), so staleness is never under-counted and a group tagged
-    with the new version was sampled by the new weights only. Otherwise it keeps the version at admission (TRL).
+    The group's version becomes that of the oldest weights that sampled any turn of any of its conversations (a
+    sync can land while a group is being generated, or between the turns of one conversation), so staleness is never
+    under-counted and a group tagged with the new version was sampled by the new weights only.
     """
     versions = [r.model_version for r in rollouts if r.model_version is not None]
     if versions:
@@ -565,50 +574,22 @@ def _assemble(group: RolloutGroup, rollouts: list[_Rollout]) -> RolloutGroup:
         group.rollout_rewards.append(rollout.rollout_reward)
         group.env_rewards.append(rollout.env_reward)
         if isinstance(group, _Group):
+            group.env_failed.append(rollout.env_failed)
             group.truncated.append(rollout.truncated)
     return group
 
 
-def _prompt_of(row: dict[str, Any], environment: Any) -> list[dict[str, Any]]:
-    if "prompt" not in row and environment is not None:
-        return [{"role": "user", "content": ""}]  # the environment's observation supplies the task
-    return as_messages(row["prompt"])
-
-
-def _with_observation(prompt: list[dict[str, Any]], observation: Any) -> list[dict[str, Any]]:
-    """Fold an environment's reset observation into the last prompt message (as GRPOTrainer does)."""
-    if observation is None:
-        return prompt
-    last = prompt[-1]
-    content = last["content"]
-    if isinstance(observation, list) and isinstance(content, str):
-        content = [{"type": "text", "text": content}]
-    if isinstance(observation, str) and isinstance(content, list):
-        observation = [{"type": "text", "text": observation}]
-    return prompt[:-1] + [{**last, "content": content + observation}]
-
-
-def _env_methods(environment: Any) -> list[Callable]:
-    if environment is None:
-        return []
-    return [
-        getattr(environment, name)
-        for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
-        if name not in ("reset", "get_reward") and not name.startswith("_")
-    ]
-
-
 def _ensure_response_parser(tokenizer: Any, needs_tools: bool) -> None:
     """TRL's loop insists on a response parser; only tool calling needs one (plain turns are decoded as text)."""
+    if needs_tools:
+        note = ensure_tool_parser(tokenizer)
+        if note:
+            log.warning(note)
+        return
     if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None):
         return
     try:
         add_response_schema(tokenizer)
     except ValueError:
-        if needs_tools:
-            raise ValueError(
-                "Tool calling needs a response parser for this tokenizer's chat template, which TRL does not know. "
-                "Set `tokenizer.response_template` (see transformers' response-parsing docs)."
-            ) from None
         # No tools: `_generate_one` never parses. A template TRL's __init__ accepts, never used.
         tokenizer.response_template = {"fields": {"content": {"content": "text"}}}

@@ -11,6 +11,9 @@ ended with, if any. Scenarios:
 - `resume`: resume from `--ckpt` (checkpoints every step).
 - `ctrl_c`: at the start of step `--kill-at + 1`, SIGINT to the whole process group, as Ctrl-C in a terminal sends it
   (the rollout child and its reward workers get it too).
+- `tools`: multi-turn rollouts: the policy taught to call `lookup` (`--policy`, see `tests/tool_policy.py`) with
+  `LookupEnv`, whose reward joins `char_sum_reward`; `--validate` validates the same conversations. Each rank also
+  records how many of its step samples' conversations called the tool (`tool_samples`, rank 0).
 
 `--beta` adds the KL to a reference model (sharded like the policy under FSDP2) and `--ref-sync-steps n` mixes the
 policy into it every n steps (it is then in the checkpoints). `--lora` trains LoRA adapters (PEFT) instead of the whole policy.
@@ -98,6 +101,7 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=0.0, help="KL to a reference model")
     parser.add_argument("--ref-sync-steps", type=int, default=0, help="TR-DPO mixes every n steps (0: never)")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (r=8 on q_proj, v_proj)")
+    parser.add_argument("--policy", default=None, help="state dict of the tiny policy to train (tools scenario)")
     args = parser.parse_args()
 
     import lightning.pytorch as pl
@@ -122,6 +126,7 @@ def main() -> None:
             self.weights_at_fit_start: float | None = None
             self.batches: list = []
             self.logprob_errors: list = []
+            self.tool_samples = 0
 
         def on_fit_start(self, trainer, pl_module):
             self.weights_at_fit_start = float(sum(p.double().sum() for p in pl_module.policy.parameters()))
@@ -142,6 +147,7 @@ def main() -> None:
             if args.record:
                 self.batches.append(batch.micro_batches)
             self.steps.append(list(batch.group_ids))
+            self.tool_samples += sum(any(m["role"] == "tool" for m in s.completion) for s in batch.samples)
             self.dump(trainer, None)
             weights = float(sum(p.double().sum() for p in pl_module.policy.parameters()))
             (out / f"weights_step{trainer.global_step}.json").write_text(json.dumps(weights))
@@ -157,6 +163,7 @@ def main() -> None:
                 "weights_at_fit_start": self.weights_at_fit_start,
                 "dropped": _dropped(trainer),
                 "logprob_errors": self.logprob_errors,
+                "tool_samples": self.tool_samples,
                 "val_reward": float(trainer.callback_metrics["val/reward"])
                 if "val/reward" in trainer.callback_metrics
                 else None,
@@ -169,7 +176,16 @@ def main() -> None:
         return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}."}] for i in range(n)]})
 
     prompts = say(args.prompts)
-    datamodule = GRPODataModule(
+    conversation = {}
+    policy = "tiny-random"
+    if args.scenario == "tools":
+        sys.path.insert(0, str(Path(__file__).parents[1]))
+        from tool_policy import PROMPT, LookupEnv, load_tool_policy
+
+        prompts = Dataset.from_dict({"prompt": [PROMPT] * args.prompts})
+        conversation = dict(environment_factory=LookupEnv, max_completion_length=80, max_tool_calling_iterations=2)
+        policy = load_tool_policy(args.policy)
+    options = dict(
         model="tiny-random",
         dataset=prompts,
         reward_funcs=[reward],
@@ -179,16 +195,17 @@ def main() -> None:
         samples_per_row=4,
         max_staleness=args.max_staleness,
         heartbeat_timeout=60,
-        val_dataset=say(4) if args.validate else None,
+        val_dataset=prompts.select(range(min(4, len(prompts)))) if args.validate else None,
         val_batch_size=2,
     )
+    datamodule = GRPODataModule(**(options | conversation))
     lora = None
     if args.lora:
         from peft import LoraConfig
 
         lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
     module = GRPOModule(
-        "tiny-random",
+        policy,
         learning_rate=1e-2 if args.lora else 1e-3,
         peft_config=lora,
         **reference_options(args.beta, args.ref_sync_steps),
