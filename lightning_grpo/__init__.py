@@ -61,6 +61,7 @@ _EXPORTS = {
     "register_tree_attention": "attention",
     "grpo_loss": "loss",
     "GRPOModule": "module",
+    "StepMetrics": "step_metrics",
     "GRPODataModule": "datamodule",
 }
 
@@ -93,6 +94,7 @@ if TYPE_CHECKING:
     from .scoring.scorers import FeatureMatchingScorer, RewardModelScorer
     from .scoring.step import score_step
     from .serving.vllm_server import VLLMServer
+    from .step_metrics import StepMetrics
     from .weights.factory import make_weight_transfer
     from .weights.shared_memory import SharedMemoryWeightTransfer
     from .weights.sync import WeightSync

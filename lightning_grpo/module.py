@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -10,12 +11,15 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 
 from ._imports import import_object
 from .contract import RolloutContract, require_rollout_source
 from .loss import LossStats, grpo_loss, packed_logprobs
 from .pipeline.batch import StepBatch
 from .sharding import check_strategy, gradient_sync, is_sharded, shard_policy
+from .step_metrics import StepMetrics
 from .validation import greedy_completions
 
 log = logging.getLogger(__name__)
@@ -40,15 +44,31 @@ class GRPOModule(pl.LightningModule):
     ranks is refused at start-up.
 
     Logged (TRL's names): `loss`, `reward`, `reward_std`, `rewards/<name>`, `ratio`, `kl`, `entropy`,
-    `clip_ratio/*`, `sample/staleness_*`, `batch/*`, `perf/step_s`, `perf/fwd_bwd_s`, `lr`.
+    `clip_ratio/*`, `sample/staleness_*`, `batch/*`, `perf/step_s`, `perf/fwd_bwd_s`, `lr` (the learning rate the
+    step trained with). Each optimizer step's metrics reach every logger once, as one row (`step_metrics`, a
+    `StepMetrics`); a `*_total` metric is the run's count so far, kept in the checkpoint.
+
+    Optimizer and schedule: AdamW (`learning_rate`, `weight_decay`, `betas`) with a linear warm-up over
+    `warmup_steps` and then a constant rate, unless `optimizer` / `lr_scheduler` say otherwise. Both follow
+    LightningCLI's callable pattern: in YAML, `model.optimizer: {class_path: torch.optim.SGD, init_args: {lr: 0.1}}`
+    and `model.lr_scheduler: {class_path: torch.optim.lr_scheduler.CosineAnnealingLR, init_args: {T_max: 40}}`; in
+    Python, any callable such as `functools.partial(torch.optim.SGD, lr=0.1)`. The optimizer gets the policy's
+    parameters that require grad, once `configure_model` has loaded the policy. With `warmup_steps` and an
+    `lr_scheduler`, the warm-up runs first and the scheduler starts after it (`SequentialLR`). Resuming from a
+    checkpoint restores both.
 
     Args:
         model: the policy: a name or path for `lightning_grpo.models.load_policy` (`"tiny-random"`,
             `"smollm2-135m-instruct"`, a local folder, a Hub id) or an `nn.Module` (a transformers causal LM).
-        learning_rate: AdamW's learning rate.
-        weight_decay: AdamW's weight decay.
-        betas: AdamW's betas.
-        warmup_steps: linear warm-up of the learning rate over this many optimizer steps, then constant.
+        learning_rate: the default AdamW's learning rate.
+        weight_decay: the default AdamW's weight decay.
+        betas: the default AdamW's betas.
+        warmup_steps: linear warm-up of the learning rate over this many optimizer steps, from `1 / (warmup_steps
+            + 1)` of the rate; then constant, or `lr_scheduler`.
+        optimizer: builds the optimizer from the parameters to train (`OptimizerCallable`); None: AdamW with
+            `learning_rate`, `weight_decay` and `betas` (with an `optimizer`, those are ignored, with a warning).
+        lr_scheduler: builds a learning-rate scheduler from the optimizer (`LRSchedulerCallable`), stepped once per
+            optimizer step; None: constant after the warm-up.
         max_grad_norm: clip the gradient norm to this; None disables clipping.
         epsilon: lower clip range of the ratio (`1 - epsilon`).
         epsilon_high: upper clip range (`1 + epsilon_high`); default `epsilon` (DAPO uses 0.28).
@@ -62,7 +82,9 @@ class GRPOModule(pl.LightningModule):
 
     Raises:
         ValueError: a non-positive `learning_rate`, `epsilon` or `max_grad_norm`, a negative `warmup_steps`,
-            `scorer_weights` of the wrong length; in `setup`, a strategy whose gradients would not be synchronised.
+            `scorer_weights` of the wrong length, an `optimizer` or `lr_scheduler` that cannot be built (or a
+            `ReduceLROnPlateau`, which needs a monitored metric); in `setup`, a strategy whose gradients would not be
+            synchronised.
         TypeError: (in `setup`) a data module that is not a `RolloutSource` (or none).
 
     Example::
@@ -79,6 +101,8 @@ class GRPOModule(pl.LightningModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         warmup_steps: int = 0,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
         max_grad_norm: float | None = 1.0,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
@@ -98,7 +122,13 @@ class GRPOModule(pl.LightningModule):
                 f"`GRPOModule({', '.join(problems)})`: learning_rate, epsilon and max_grad_norm must be "
                 "positive, warmup_steps at least 0."
             )
-        self.save_hyperparameters(ignore=["model", "scorers"])
+        _check_optimizer_options(
+            optimizer, lr_scheduler, learning_rate=learning_rate, weight_decay=weight_decay, betas=betas
+        )
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        # Callables stay out of the checkpoint's hyper-parameters (it is loaded with weights_only=True).
+        self.save_hyperparameters(ignore=["model", "scorers", "optimizer", "lr_scheduler"])
         self.model_name = model if isinstance(model, str) else None
         self.policy: Any = model if isinstance(model, torch.nn.Module) else None
         self.scorers = [_resolve_scorer(scorer) for scorer in scorers or []]
@@ -108,6 +138,8 @@ class GRPOModule(pl.LightningModule):
             )
         self.automatic_optimization = False
         self.contract: RolloutContract | None = None
+        self.step_metrics = StepMetrics()
+        self.scored_step: Any = None  # the last step's `ScoredStep` (trainer scorers), for the completions table
         self._step_started: float | None = None
         self._generate_attention: str | None = None
 
@@ -144,10 +176,13 @@ class GRPOModule(pl.LightningModule):
     def configure_callbacks(self) -> list[pl.Callback]:
         """The callbacks async GRPO needs, in the order they must run, unless the trainer already has them.
 
-        `RolloutStopCallback` plans the next step, so it runs after `WeightSyncCallback` has pushed this step's
-        weights; a `RolloutStopCallback` the trainer already has is moved after a `WeightSyncCallback` added here.
+        `WeightSyncCallback` pushes this step's weights; `RolloutStopCallback` then plans the next step (the
+        look-ahead); `RolloutMetricsCallback` logs what the rollout side measured up to there, the look-ahead's drops
+        included. Lightning appends the callbacks returned here after the trainer's, replacing the trainer's own of
+        the same types: a callback the trainer has is returned (moved) only when one before it in that order is
+        added or comes after it. A `CompletionsTableCallback` is added when the trainer has none; it may run anywhere.
         """
-        from .callbacks import RolloutMetricsCallback, RolloutStopCallback, WeightSyncCallback
+        from .callbacks import CompletionsTableCallback, RolloutMetricsCallback, RolloutStopCallback, WeightSyncCallback
 
         trainer = _trainer_of(self)
         present = list(trainer.callbacks) if trainer is not None else []
@@ -155,21 +190,38 @@ class GRPOModule(pl.LightningModule):
         def find(cls: type) -> pl.Callback | None:
             return next((c for c in present if isinstance(c, cls)), None)
 
-        added = [cls() for cls in (WeightSyncCallback, RolloutMetricsCallback) if find(cls) is None]
-        stop = find(RolloutStopCallback)
-        if stop is None:
-            return [*added, RolloutStopCallback()]
-        # Lightning appends the callbacks returned here, replacing the trainer's of the same type: returning the
-        # trainer's own RolloutStopCallback moves it after what is added.
-        return [*added, stop] if added else []
+        returned: list[pl.Callback] = []
+        position = -1
+        for cls in (WeightSyncCallback, RolloutStopCallback, RolloutMetricsCallback):
+            own = find(cls)
+            if own is None:
+                returned.append(cls())
+            elif returned or present.index(own) < position:
+                returned.append(own)
+            else:
+                position = present.index(own)
+        if find(CompletionsTableCallback) is None:
+            returned.append(CompletionsTableCallback())
+        return returned
 
     def configure_optimizers(self) -> dict[str, Any]:
+        """The optimizer over the policy's parameters that require grad, and its per-step schedule (see the class)."""
         hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
-        )
+        parameters = [p for p in self.policy.parameters() if p.requires_grad]
+        if self.optimizer_factory is not None:
+            optimizer = self.optimizer_factory(parameters)
+        else:
+            optimizer = torch.optim.AdamW(
+                parameters, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
+            )
         warmup = hp.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        lr_scheduler = torch.optim.lr_scheduler
+        scheduler = lr_scheduler.LinearLR(optimizer, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup)
+        if self.lr_scheduler_factory is not None:
+            after = self.lr_scheduler_factory(optimizer)
+            scheduler = (
+                lr_scheduler.SequentialLR(optimizer, [scheduler, after], milestones=[warmup]) if warmup else after
+            )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # -- training ---------------------------------------------------------------------------------------------------
@@ -195,8 +247,9 @@ class GRPOModule(pl.LightningModule):
             progress=datamodule.progress,
             group=datamodule.process_group,
         )
-        if scored is not None and scored.metrics:
-            self.log_dict(scored.metrics, rank_zero_only=True, on_step=True, on_epoch=False)
+        self.scored_step = scored
+        if scored is not None and scored.metrics and self.trainer.is_global_zero:
+            self.step_metrics.add(self, scored.metrics)
 
     def _column_weights(self) -> list[float]:
         scorer_weights = self.hparams.scorer_weights or [1.0] * len(self.scorers)
@@ -208,6 +261,7 @@ class GRPOModule(pl.LightningModule):
         started = time.perf_counter()
         stats = LossStats.zeros()
         total_loss = torch.zeros(())
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step trains with (the scheduler moves it after)
         last = len(batch.micro_batches) - 1
         for i, micro_batch in enumerate(batch.micro_batches):
             micro_batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
@@ -221,7 +275,7 @@ class GRPOModule(pl.LightningModule):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        self._log_step(batch, stats, total_loss, fwd_bwd_s=time.perf_counter() - started)
+        self._log_step(batch, stats, total_loss, lr=lr, fwd_bwd_s=time.perf_counter() - started)
 
     def _micro_batch_loss(self, micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, LossStats]:
         logprobs, entropy = packed_logprobs(self.policy, micro_batch, self.contract.temperature)
@@ -237,7 +291,7 @@ class GRPOModule(pl.LightningModule):
             entropy=entropy,
         )
 
-    def _log_step(self, batch: StepBatch, stats: LossStats, loss: torch.Tensor, fwd_bwd_s: float) -> None:
+    def _log_step(self, batch: StepBatch, stats: LossStats, loss: torch.Tensor, lr: float, fwd_bwd_s: float) -> None:
         strategy = self.trainer.strategy
         sums = strategy.reduce(stats.sums(), reduce_op="sum")
         extremes = stats.extremes().clone()
@@ -245,17 +299,25 @@ class GRPOModule(pl.LightningModule):
             torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
         metrics = LossStats.from_reduced(sums, extremes).metrics()
         metrics["loss"] = float(strategy.reduce(loss, reduce_op="sum"))
-        metrics["lr"] = self.optimizers().param_groups[0]["lr"]
+        metrics["lr"] = lr
         metrics["perf/fwd_bwd_s"] = fwd_bwd_s
         now = time.perf_counter()
         if self._step_started is not None:
             metrics["perf/step_s"] = now - self._step_started
         self._step_started = now
-        finite = {k: v for k, v in metrics.items() if not math.isnan(v)}
-        self.log_dict(finite, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
-        if self.trainer.is_global_zero and batch.metrics:
-            sample_metrics = {k: float(v) for k, v in batch.metrics.items() if _is_number(v) and not math.isnan(v)}
-            self.log_dict(sample_metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        if self.trainer.is_global_zero:
+            self.step_metrics.add(self, metrics)
+            self.step_metrics.add(self, {k: v for k, v in batch.metrics.items() if _is_number(v)})
+
+    def on_train_batch_end(self, outputs: Any, batch: StepBatch, batch_idx: int) -> None:
+        """After every callback's: send this step's metrics to the loggers, once (see `StepMetrics`)."""
+        self.step_metrics.flush(self.trainer)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["grpo_metric_totals"] = self.step_metrics.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.step_metrics.load_state_dict(checkpoint.get("grpo_metric_totals", {}))
 
     # -- validation -------------------------------------------------------------------------------------------------
 
@@ -275,6 +337,39 @@ class GRPOModule(pl.LightningModule):
         for name, values in rewards.items():
             value = torch.tensor([math.fsum(_nan_to_zero(values)) / size])
             self.log(f"val/rewards/{name}", value, batch_size=size, sync_dist=True, on_epoch=True)
+
+
+def _check_optimizer_options(optimizer: Any, lr_scheduler: Any, **adamw: Any) -> None:
+    """Warn that AdamW's own options are ignored beside an `optimizer`, and build the optimizer and the scheduler
+    once over a stand-in parameter, so that a bad argument of theirs fails now rather than inside fit."""
+    defaults = inspect.signature(GRPOModule.__init__).parameters
+    changed = [f"{key}={value}" for key, value in adamw.items() if _plain(value) != _plain(defaults[key].default)]
+    if optimizer is not None and changed:
+        rank_zero_warn(
+            f"`GRPOModule(optimizer=..., {', '.join(changed)})`: learning_rate, weight_decay and betas configure the "
+            "default AdamW only, so they are ignored; the optimizer's own arguments (`init_args` in YAML) apply."
+        )
+    probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    for name, factory, argument in (
+        ("optimizer", optimizer, [torch.nn.Parameter(torch.zeros(1))]),
+        ("lr_scheduler", lr_scheduler, probe),
+    ):
+        if factory is None:
+            continue
+        try:
+            built = factory(argument)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"`GRPOModule({name}=...)` cannot be built: {type(error).__name__}: {error}") from error
+        if isinstance(built, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError(
+                "`GRPOModule(lr_scheduler=ReduceLROnPlateau)` needs a monitored metric at each step; GRPOModule steps "
+                "its scheduler once per optimizer step without one. Use a step-based scheduler (CosineAnnealingLR, "
+                "LinearLR, OneCycleLR, ...)."
+            )
+
+
+def _plain(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list | tuple) else value
 
 
 def _resolve_scorer(scorer: Any) -> Any:
