@@ -71,7 +71,7 @@ class GRPOProgressBar(TQDMProgressBar):
     @property
     def prints_lines(self) -> bool:
         """Whether this bar prints lines (lines mode, on rank 0, not turned off)."""
-        return self.lines and self._enabled and self.refresh_rate > 0
+        return self.lines and super().is_enabled
 
     # -- training -------------------------------------------------------------------------------------------------
 
