@@ -21,10 +21,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from .metrics import is_counter
 
-def is_counter(key: str) -> bool:
-    """Whether `key` names a counter (a `total` word in its last part, e.g. `reward_pool/errors_total`)."""
-    return "total" in key.split("/")[-1].split("_")
+__all__ = ["StepMetrics", "is_counter", "log_step_metrics"]
 
 
 class StepMetrics:

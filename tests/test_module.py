@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from learning_rates import learning_rates
 from tiny_fits import cpu_trainer, tiny_datamodule, tiny_prompts
 
 from lightning_grpo.module import GRPOModule
@@ -145,13 +146,7 @@ def test_interrupting_fit_stops_the_rollout_child_while_the_process_lives_on(no_
 def scheduled_rates(module: GRPOModule, steps: int) -> list[float]:
     """The learning rate of each of `steps` optimizer steps under the module's optimizer and schedule."""
     configured = module.configure_optimizers()
-    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
-    rates = []
-    for _ in range(steps):
-        rates.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    return rates
+    return learning_rates(configured["optimizer"], configured["lr_scheduler"]["scheduler"], steps)
 
 
 def test_default_optimizer_is_adamw_over_trainable_parameters_with_a_linear_warm_up(tiny_model):
@@ -173,12 +168,7 @@ def test_an_optimizer_and_scheduler_callable_replace_the_default_and_the_warm_up
     module = GRPOModule(tiny_model, optimizer=functools.partial(torch.optim.SGD, lr=0.5), lr_scheduler=cosine)
     assert isinstance(module.configure_optimizers()["optimizer"], torch.optim.SGD)
     reference = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
-    torch_cosine = torch.optim.lr_scheduler.CosineAnnealingLR(reference, T_max=4)
-    expected = []
-    for _ in range(4):
-        expected.append(reference.param_groups[0]["lr"])
-        reference.step()
-        torch_cosine.step()
+    expected = learning_rates(reference, torch.optim.lr_scheduler.CosineAnnealingLR(reference, T_max=4), 4)
     rates = scheduled_rates(module, 4)
     assert rates == pytest.approx(expected)
     warmed = GRPOModule(

@@ -21,6 +21,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
+from learning_rates import learning_rates
 from processes import run_in_session
 
 REWARDS = Path(__file__).parent / "scripts" / "faulty_rewards.py"
@@ -82,15 +83,8 @@ def fit(out: Path, *args: str, log: str) -> str:
 
 def cosine_rates(steps: int) -> list[float]:
     """The learning rate of each optimizer step under torch's own CosineAnnealingLR."""
-    parameter = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.AdamW([parameter], lr=LR)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=T_MAX)
-    rates = []
-    for _ in range(steps):
-        rates.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    return rates
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    return learning_rates(optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=T_MAX), steps)
 
 
 def training_rows(log_dir: Path) -> pd.DataFrame:
