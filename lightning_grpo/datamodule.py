@@ -496,8 +496,14 @@ class GRPODataModule(pl.LightningDataModule):
     # -- validation -------------------------------------------------------------------------------------------------
 
     def val_dataloader(self) -> DataLoader | list:
-        """Held-out prompts in batches of `val_batch_size` rows (lists of dicts)."""
+        """Held-out prompts in batches of `val_batch_size` rows (lists of dicts); none without `val_dataset`."""
         if self.val_prompts is None:
+            # No held-out prompts means no validation, on purpose: Lightning's note about an empty loader is noise.
+            warnings.filterwarnings(
+                "ignore",
+                message=r"Total length of `list` across ranks is zero",
+                module=r"lightning\.pytorch\.utilities\.data",
+            )
             return []
         return DataLoader(list(self.val_prompts), batch_size=self.hparams.val_batch_size, collate_fn=list)
 

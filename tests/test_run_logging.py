@@ -68,7 +68,7 @@ def config(out: Path) -> dict:
             "num_generations": 4,
             "max_completion_length": 8,
             "samples_per_row": 8,
-            "reward_timeout": 3.0,
+            "reward_timeout": 2.0,
         },
     }
 
