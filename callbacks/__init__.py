@@ -1,11 +1,13 @@
 """Lightning callbacks for async GRPO, installed as `lightning_grpo.callbacks`."""
 
+from .completions_table import CompletionsTableCallback
 from .progress_bar import GRPOProgressBar
 from .rollout_metrics import RolloutMetricsCallback
 from .rollout_stop import RolloutStopCallback, RolloutStreamError
 from .weight_sync import WeightSyncCallback
 
 __all__ = [
+    "CompletionsTableCallback",
     "GRPOProgressBar",
     "RolloutMetricsCallback",
     "RolloutStopCallback",

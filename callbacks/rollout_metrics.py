@@ -9,17 +9,21 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_grpo.contract import RolloutSource
+from lightning_grpo.step_metrics import log_step_metrics
 
 
 class RolloutMetricsCallback(Callback):
-    """Drains the rollout child's metrics after every optimizer step and logs them on rank 0.
+    """Drains the rollout side's metrics after every optimizer step and logs them on rank 0.
 
     Logged (TRL's names where TRL has them): `rollout/generated_tok_s`, `rollout/score_s`, `rollout/score_wait_s`,
     `rollout/inflight`, `rollout/pacing_wait_s`, `rollout/backpressure_s`, `completions/mean_length`,
     `completions/clipped_ratio`, `reward_pool/{calls,errors,timeouts,restarts}_total`, `reward_pool/busy_s`, and the
-    trainer-side `progress/dropped_<reason>_total`, `progress/groups_consumed` and `perf/rollout_wait_s`.
-    Counters (`*_total`) are the increments since the last step; gauges are averaged since the last step, rates are
-    ratios of sums.
+    trainer-side `progress/dropped_<reason>_total` and `progress/groups_consumed` (groups trained in finished steps
+    or dropped). Counters (`*_total`) are the run's totals at that step (restored on resume, see
+    `lightning_grpo.step_metrics`); gauges are averaged over the window since the last step, rates are ratios of sums.
+    It runs after `RolloutStopCallback` (`GRPOModule` adds both in that order), so the groups dropped while the next
+    step was planned, and the rollout child's counts up to then, are in this step's row; at the last step, that is
+    the whole run.
     """
 
     @override
@@ -29,6 +33,4 @@ class RolloutMetricsCallback(Callback):
         datamodule = trainer.datamodule
         if not trainer.is_global_zero or not isinstance(datamodule, RolloutSource):
             return
-        metrics = datamodule.rollout_metrics()
-        if metrics:
-            pl_module.log_dict(metrics, rank_zero_only=True, on_step=True, on_epoch=False)
+        log_step_metrics(pl_module, datamodule.rollout_metrics())

@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_grpo.contract import require_rollout_source
+from lightning_grpo.step_metrics import log_step_metrics
 
 
 class WeightSyncCallback(Callback):
@@ -63,4 +64,5 @@ class WeightSyncCallback(Callback):
         sync = trainer.datamodule.weight_sync
         version = sync.push(pl_module.policy, wrapped=trainer.model)
         metrics = {"weights/version": float(version), "perf/weight_sync_s": sync.last_push_s}
-        pl_module.log_dict(metrics, rank_zero_only=True, on_step=True, on_epoch=False)
+        if trainer.is_global_zero:
+            log_step_metrics(pl_module, metrics)

@@ -67,6 +67,7 @@ _EXPORTS = {
     "ReferencePolicy": "reference",
     "StepReplay": "replay",
     "GRPOModule": "module",
+    "StepMetrics": "step_metrics",
     "GRPODataModule": "datamodule",
     "export_policy": "export",
 }
@@ -104,6 +105,7 @@ if TYPE_CHECKING:
     from .scoring.scorers import FeatureMatchingScorer, RewardModelScorer
     from .scoring.step import score_step
     from .serving.vllm_server import VLLMServer
+    from .step_metrics import StepMetrics
     from .weights.factory import make_weight_transfer
     from .weights.shared_memory import SharedMemoryWeightTransfer
     from .weights.sync import WeightSync

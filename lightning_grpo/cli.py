@@ -9,9 +9,11 @@
 Every option of the module (`model.*`, including AdamW's), the data module (`data.*`), the trainer (`trainer.*`) and
 the callbacks can be set in the YAML or on the command line. The policy is written once, as `model.model`; the data
 module takes the same name for its tokenizer and generator. Reward functions are import paths
-(`data.reward_funcs: [lightning_grpo.rewards.accuracy, my_pkg.rewards:fmt]`). A bad value (an option of the wrong
-type, a reward path that does not import, a dataset file that does not exist) fails before anything is started,
-with exit code 2 and a message naming the value.
+(`data.reward_funcs: [lightning_grpo.rewards.accuracy, my_pkg.rewards:fmt]`). The optimizer and its schedule are
+`model.optimizer` and `model.lr_scheduler` (a `class_path` and its `init_args`; see `GRPOModule`). A bad value (an
+option of the wrong type, a reward path that does not import, a dataset file that does not exist or lacks a column
+the run needs, a tokenizer that does not load, a group that can never fit one optimizer step) fails before anything
+is started, with exit code 2 and one line naming the value.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ class GRPOLightningCLI(LightningCLI):
     """LightningCLI with the policy linked from the module to the data module and `GRPOProgressBar` by default.
 
     A value a class rejects when it is built (e.g. `GRPODataModule`'s check of reward import paths and dataset
-    files) ends the command with the parser's `error: ...` and exit code 2, like a value of the wrong type, instead
-    of a traceback: nothing has been started yet at that point. Set `JSONARGPARSE_DEBUG=1` to get the traceback.
+    files), or that `GRPODataModule.check_data` rejects once the classes are built (the dataset's columns, the
+    tokenizer, whether a group fits a step on the trainer's processes), ends the command with the parser's
+    `error: ...` and exit code 2, like a value of the wrong type, instead of a traceback: nothing has been started
+    yet at that point. Set `JSONARGPARSE_DEBUG=1` to get the traceback.
     """
 
     @staticmethod
@@ -66,6 +70,8 @@ class GRPOLightningCLI(LightningCLI):
                 # again (it is used only with `init_lora_weights="loftq"`), warning about a value nobody set.
                 warnings.filterwarnings("ignore", message=r"`loftq_config` specified but will be ignored")
                 super().instantiate_classes()
+            world_size = self.trainer.world_size if self.subcommand in (None, "fit") else None
+            self.datamodule.check_data(world_size=world_size)
         except _CONFIG_ERRORS as error:
             self.parser.error(f"{type(error).__name__}: {error}", ex=error)
 
@@ -104,8 +110,9 @@ def cli(args: list[str] | dict[str, Any] | None = None, *, run: bool = True) -> 
         GRPODataModule,
         trainer_defaults=TRAINER_DEFAULTS,
         save_config_kwargs={"overwrite": True},
-        # LightningCLI would build `--optimizer` over the module's parameters before `configure_model` loads the
-        # policy; GRPOModule configures AdamW and its warm-up itself (`model.learning_rate`, `model.betas`, ...).
+        # LightningCLI's top-level `--optimizer` would be built over the module's parameters before `configure_model`
+        # loads the policy; GRPOModule takes `model.optimizer` / `model.lr_scheduler` callables and builds them in
+        # `configure_optimizers` instead.
         auto_configure_optimizers=False,
         parser_kwargs={"prog": "lightning-grpo", "description": DESCRIPTION},
         args=args,

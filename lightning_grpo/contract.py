@@ -102,7 +102,10 @@ class RolloutSource(Protocol):
         ...
 
     def progress_summary(self) -> dict[str, int] | None:
-        """`{"groups_consumed", "groups_total"}` (`GRPOProgressBar`)."""
+        """Rank 0: `{"groups_consumed", "groups_total", "groups_trained", "groups_dropped"}` (`GRPOProgressBar`).
+
+        Consumed: trained in a finished optimizer step, or dropped; a run ends when it reaches the total.
+        """
         ...
 
     def score_completions(self, completions: list[list[dict]], rows: list[dict]) -> dict[str, list[float]]:

@@ -8,6 +8,9 @@ text) is `lightning_grpo.rollout.chat.render_prompt`'s business.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +97,38 @@ def check_columns(dataset: Dataset, required: set[str], *, source: str = "the pr
         )
 
 
+#: What the rollout loop passes every reward function besides the dataset's columns.
+REWARD_ARGUMENTS = frozenset({"completions", "prompts", "completion_ids"})
+
+
+def reward_columns(func: Callable) -> set[str]:
+    """The dataset columns `func` cannot be called without: its named parameters without a default, other than
+    `completions`, `prompts` and `completion_ids` (empty when its signature cannot be read)."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    required = {p.name for p in parameters if p.kind in named and p.default is inspect.Parameter.empty}
+    return required - REWARD_ARGUMENTS
+
+
+def check_reward_columns(dataset: Dataset, reward_funcs: Sequence[Callable], *, source: str) -> None:
+    """Raise `ValueError` naming a reward function and the dataset columns it needs that `dataset` lacks."""
+    from ._trl import get_callable_name
+
+    problems = []
+    for func in reward_funcs:
+        missing = sorted(reward_columns(func) - set(dataset.column_names))
+        if missing:
+            problems.append(f"reward {get_callable_name(func)!r} needs column(s) {missing}")
+    if problems:
+        raise ValueError(
+            f"{source}: {'; '.join(problems)}, but the dataset has {dataset.column_names}. Add the column(s), or use "
+            "reward functions that read the columns it has."
+        )
+
+
 def as_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A prompt as chat messages: a plain string becomes one user message (see `render_prompt` for raw text)."""
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
@@ -112,8 +147,22 @@ def _load_file(path: Path) -> Dataset:
     path = path.expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"The prompt dataset file `{path}` does not exist.")
-    if path.suffix in (".jsonl", ".json"):
-        return Dataset.from_json(str(path))
-    if path.suffix == ".parquet":
-        return Dataset.from_parquet(str(path))
-    raise ValueError(f"`{path}` is not a .jsonl, .json or .parquet file; convert it or pass a `datasets.Dataset`.")
+    readers = {".jsonl": Dataset.from_json, ".json": Dataset.from_json, ".parquet": Dataset.from_parquet}
+    if path.suffix not in readers:
+        raise ValueError(f"`{path}` is not a .jsonl, .json or .parquet file; convert it or pass a `datasets.Dataset`.")
+    with _quiet_datasets():
+        return readers[path.suffix](str(path))
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """Without `datasets`' "Generating train split" bar: a local file of prompts loads in moments."""
+    from datasets.utils import logging as datasets_logging
+
+    shown = datasets_logging.is_progress_bar_enabled()
+    datasets_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            datasets_logging.enable_progress_bar()

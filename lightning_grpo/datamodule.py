@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from ._imports import resolve_callable
 from ._trl import get_callable_name
 from .contract import PolicySource, RolloutContract
-from .data import check_columns, check_source, load_prompts
+from .data import check_columns, check_reward_columns, check_source, load_prompts
 from .options import checked_loop_kwargs, resolve_loop_cls, validate_options
 from .pipeline.batch import StepBatch
 from .pipeline.ledger import RolloutProgress
@@ -38,9 +38,6 @@ from .weights.factory import (
 from .weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
-
-# StepStream has a length only to turn off Lightning's one-ahead prefetch (see `StepStream.__len__`).
-warnings.filterwarnings("ignore", message=r".*`IterableDataset` has `__len__` defined.*")
 
 RewardFunc = Callable[..., list[float | None]]
 
@@ -249,11 +246,12 @@ class GRPODataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         """Load and check the prompts and the tokenizer, and build the contract; for `fit`, check that a group fits
         one optimizer step and build the weight sync. Nothing is spawned here."""
+        _ignore_lightning_leafspec_warning()
         if self.train_prompts is None:
             self._load()
         if stage == "fit":
             self._share_cores()
-            self._check_step_capacity()
+            self._check_step_capacity(self.trainer.world_size)
             self._make_weight_sync()
             world = self.trainer.world_size
             if world > 1 and dist.is_available() and dist.is_initialized() and self.process_group is None:
@@ -261,10 +259,30 @@ class GRPODataModule(pl.LightningDataModule):
                     backend="gloo"
                 )  # keeps pickled batches off the (NCCL) default group
 
+    def check_data(self, world_size: int | None = None) -> None:
+        """Load the prompts and the tokenizer now and check them, as `setup` does first (it then reuses them).
+
+        `lightning-grpo` calls it before `fit` or `validate` starts anything, so a dataset without a column it needs
+        ends the command with exit code 2 and one line, instead of a traceback from inside `Trainer.fit`.
+
+        Args:
+            world_size: also check that a group fits one optimizer step on this many processes.
+
+        Raises:
+            ValueError: a dataset (or `val_dataset`) without a `prompt` column or without a column a reward function
+                takes by name (`answer` for `accuracy`), a tokenizer that cannot be loaded, a group that can never
+                fit one step.
+        """
+        if self.train_prompts is None:
+            self._load()
+        if world_size is not None:
+            self._check_step_capacity(world_size)
+
     def _load(self) -> None:
         hp = self.hparams
         prompts = load_prompts(self.dataset_source, size=hp.dataset_size, seed=hp.dataset_seed)
-        check_columns(prompts, {"prompt"}, source=f"dataset={self.dataset_source!r}")
+        check_columns(prompts, {"prompt"}, source=f"`GRPODataModule(dataset={self.dataset_source!r})`")
+        check_reward_columns(prompts, self.reward_funcs, source=f"`GRPODataModule(dataset={self.dataset_source!r})`")
         self.val_prompts = self._load_val_prompts()
         self.tokenizer = self._load_tokenizer()
         self.conversation = self._conversation_spec(prompts)
@@ -324,7 +342,8 @@ class GRPODataModule(pl.LightningDataModule):
         if source is None:
             return None
         prompts = load_prompts(source, size=self.hparams.val_size)
-        check_columns(prompts, {"prompt"}, source=f"val_dataset={source!r}")
+        check_columns(prompts, {"prompt"}, source=f"`GRPODataModule(val_dataset={source!r})`")
+        check_reward_columns(prompts, self.reward_funcs, source=f"`GRPODataModule(val_dataset={source!r})`")
         return prompts
 
     def _load_tokenizer(self) -> Any:
@@ -336,14 +355,18 @@ class GRPODataModule(pl.LightningDataModule):
                 "GRPODataModule needs a tokenizer: pass `model=` (a name or path) or `tokenizer=`, or give the "
                 "GRPOModule its policy by name."
             )
-        return load_tokenizer(name)
+        try:
+            return load_tokenizer(name)
+        except OSError as error:  # transformers' error for a name that is neither a folder nor a reachable Hub id
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ValueError(f"`GRPODataModule` could not load the tokenizer {name!r}: {first_line}") from error
 
     def _module_model_name(self) -> str | None:
         module = self.trainer.lightning_module if self.trainer is not None else None
         name = getattr(module, "model_name", None)
         return name if isinstance(name, str) else None
 
-    def _check_step_capacity(self) -> None:
+    def _check_step_capacity(self, world_size: int) -> None:
         hp = self.hparams
         longest = None
         if hp.token_budget > 0:
@@ -351,7 +374,7 @@ class GRPODataModule(pl.LightningDataModule):
         check_step_capacity(
             hp.num_generations,
             hp.gradient_accumulation_steps,
-            self.trainer.world_size,
+            world_size,
             hp.token_budget,
             hp.samples_per_row or hp.num_generations,
             max_sample_tokens=longest,
@@ -449,17 +472,27 @@ class GRPODataModule(pl.LightningDataModule):
         return self._session.worker if self._session is not None else None
 
     def progress_summary(self) -> dict[str, int] | None:
-        if self._progress is None:
+        """Rank 0's progress in prompt groups (see `RolloutSource.progress_summary`); None before `setup`."""
+        progress = self._progress
+        if progress is None:
             return None
-        return {"groups_consumed": len(self._progress.consumed), "groups_total": self._progress.epochs_done}
+        dropped = sum(progress.dropped.values()) + sum(progress.excluded.values())
+        return {
+            "groups_consumed": progress.settled(),
+            "groups_total": progress.epochs_done,
+            "groups_trained": progress.trained_total,
+            "groups_dropped": dropped,
+        }
 
     # -- training stream --------------------------------------------------------------------------------------------
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> StepStream:
         """Every rank's stream of optimizer steps: push the weights once, then rank 0 starts the rollout session.
 
         Runs after a checkpoint is restored (model, optimizer, this module's state), so the generator starts from the
-        restored weights under the restored version.
+        restored weights under the restored version. The stream is handed to Lightning as it is: it yields whole
+        `StepBatch`es (no collation, no workers), and a bare iterable with a length is what turns Lightning's
+        one-ahead prefetch off without its warning about `IterableDataset`s in `DataLoader`s with `__len__`.
         """
         module = self._policy_source()
         self.weight_sync.push(module.policy, wrapped=self.trainer.model)
@@ -471,7 +504,7 @@ class GRPODataModule(pl.LightningDataModule):
             group=self.process_group,
             max_batches=len(self.schedule),
         )
-        return DataLoader(self._stream, batch_size=None, num_workers=0, collate_fn=_identity)
+        return self._stream
 
     def finish_step(self, batch: StepBatch, *, look_ahead: bool) -> StepBatch | None:
         """Every rank, after `batch`'s optimizer step: commit its groups (rank 0), and with `look_ahead` fetch the next
@@ -568,8 +601,14 @@ class GRPODataModule(pl.LightningDataModule):
     # -- validation -------------------------------------------------------------------------------------------------
 
     def val_dataloader(self) -> DataLoader | list:
-        """Held-out prompts in batches of `val_batch_size` rows (lists of dicts)."""
+        """Held-out prompts in batches of `val_batch_size` rows (lists of dicts); none without `val_dataset`."""
         if self.val_prompts is None:
+            # No held-out prompts means no validation, on purpose: Lightning's note about an empty loader is noise.
+            warnings.filterwarnings(
+                "ignore",
+                message=r"Total length of `list` across ranks is zero",
+                module=r"lightning\.pytorch\.utilities\.data",
+            )
             return []
         return DataLoader(list(self.val_prompts), batch_size=self.hparams.val_batch_size, collate_fn=list)
 
@@ -587,10 +626,11 @@ class GRPODataModule(pl.LightningDataModule):
     # -- metrics ----------------------------------------------------------------------------------------------------
 
     def rollout_metrics(self) -> dict[str, float]:
-        """Rank 0: what the child and the pipeline measured since the last call, reduced for logging."""
+        """Rank 0: what the child and the pipeline measured since the last call, reduced for logging (`*_total`
+        values are increments), and `progress/groups_consumed` (trained in finished steps, or dropped)."""
         metrics = self._session.drain_metrics() if self._session is not None else {}
         if self._progress is not None:
-            metrics["progress/groups_consumed"] = float(len(self._progress.consumed))
+            metrics["progress/groups_consumed"] = float(self._progress.settled())
         return metrics
 
     # -- teardown ---------------------------------------------------------------------------------------------------
@@ -619,3 +659,21 @@ class GRPODataModule(pl.LightningDataModule):
 
 def _identity(item: Any) -> Any:
     return item
+
+
+def _ignore_lightning_leafspec_warning() -> None:
+    """Lightning 2.6 wraps every loader it is handed in a `CombinedLoader` built with torch's deprecated `LeafSpec`:
+    a FutureWarning addressed to Lightning, printed at each fit and validation. Only that message, from that module."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+
+
+def _eos_ids(tokenizer: Any, policy: Any) -> list[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
+    ids.update([configured] if isinstance(configured, int) else configured or [])
+    return sorted(ids)

@@ -4,15 +4,18 @@
     python -m lightning_grpo.main_job --config my.yaml --trainer.max_steps 20
 
 Arguments are `lightning-grpo fit` arguments (the default config is the packaged `arithmetic.yaml`). It prints the
-held-out greedy accuracy before and after, the minutes the fit took and the peak memory, writes the metrics CSV and
-`reward.png` (training reward per step, held-out accuracy at each validation) into the logger's folder, and a
-`summary.json` beside them.
+held-out greedy accuracy before and after, the minutes the fit took and the peak memory, writes `reward.png`
+(training reward per step, held-out accuracy at each validation) and `summary.json` beside the CSV logger's
+`metrics.csv` and `completions.csv`, and ends with where they are. The printed output fits one screen besides the
+progress bar: Lightning's start-up notes (devices found, a logger tip) and its model summary are left out, and the
+policy is described in one line instead (`--trainer.enable_model_summary true` brings the summary back).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sys
 import threading
 import time
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 DEFAULT_CONFIG = str(files("lightning_grpo.configs") / "arithmetic.yaml")
 ACCURACY = "val/rewards/accuracy"
@@ -33,13 +37,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "--config" not in argv:
         argv = ["--config", DEFAULT_CONFIG, *argv]
     memory = _PeakMemory()
-    command = cli(argv, run=False)
+    _quiet_lightning_notes()
+    # The command line of this process is the run's (Lightning re-runs it for DDP ranks); one screen without the
+    # model summary, which a flag can bring back.
+    program, sys.argv = sys.argv, [sys.argv[0], "--trainer.enable_model_summary", "false", *argv]
+    try:
+        summary = _run(cli(None, run=False), memory)
+    finally:
+        sys.argv = program
+    return summary
+
+
+def _run(command: Any, memory: _PeakMemory) -> dict[str, Any]:
     trainer, module, datamodule = command.trainer, command.model, command.datamodule
     validations = _LastValidation()
     trainer.callbacks.append(validations)
 
     before = _accuracy(trainer.validate(module, datamodule=datamodule, verbose=False))
     print(f"held-out accuracy before training: {before:.3f}", flush=True)
+    print(_describe_policy(module), flush=True)
     started = time.monotonic()
     trainer.fit(module, datamodule=datamodule)
     minutes = (time.monotonic() - started) / 60
@@ -47,9 +63,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     after = validations.accuracy_at(trainer.global_step)
     if after is None:
         after = _accuracy(trainer.validate(module, datamodule=datamodule, verbose=False))
-    print(f"held-out accuracy after training:  {after:.3f}", flush=True)
 
-    log_dir = Path(trainer.logger.log_dir if trainer.logger is not None else ".")
+    log_dir = _csv_log_dir(trainer)
     summary = {
         "accuracy_before": before,
         "accuracy_after": after,
@@ -58,12 +73,61 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "groups_consumed": len(datamodule.progress.consumed),
         "peak_rss_gb": memory.stop(),
         "metrics_csv": str(log_dir / "metrics.csv"),
+        "completions_csv": str(log_dir / "completions.csv"),
         "plot": str(log_dir / "reward.png"),
     }
-    plot_rewards(log_dir / "metrics.csv", log_dir / "reward.png", before=before)
+    if (log_dir / "metrics.csv").exists():
+        plot_rewards(log_dir / "metrics.csv", log_dir / "reward.png", before=before)
     (log_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2), flush=True)
+    print(
+        f"held-out accuracy after training:  {after:.3f}  ({summary['optimizer_steps']} optimizer steps, "
+        f"{summary['groups_consumed']} prompt groups, fit {minutes:.1f} min, peak memory {summary['peak_rss_gb']} GB)"
+    )
+    for label, path in (
+        ("metrics", summary["metrics_csv"]),
+        ("completions table", summary["completions_csv"]),
+        ("reward plot", summary["plot"]),
+        ("summary", str(log_dir / "summary.json")),
+        *(("TensorBoard", f"tensorboard --logdir {logger.log_dir}") for logger in _tensorboards(trainer)),
+    ):
+        print(f"{label + ':':<19}{path}", flush=True)
     return summary
+
+
+def _describe_policy(module: Any) -> str:
+    parameters = list(module.policy.parameters())
+    total = sum(p.numel() for p in parameters)
+    trainable = sum(p.numel() for p in parameters if p.requires_grad)
+    dtype = str(parameters[0].dtype).removeprefix("torch.") if parameters else "?"
+    name = module.model_name or type(module.policy).__name__
+    return f"policy {name}: {total / 1e6:.1f} M parameters ({trainable / 1e6:.1f} M trained), {dtype}"
+
+
+def _csv_log_dir(trainer: pl.Trainer) -> Path:
+    """The CSV logger's folder (the metrics and the completions table); else the first logger's, else `.`."""
+    loggers = sorted(trainer.loggers, key=lambda logger: not isinstance(logger, CSVLogger))
+    return Path(loggers[0].log_dir if loggers and loggers[0].log_dir else ".")
+
+
+def _tensorboards(trainer: pl.Trainer) -> list[TensorBoardLogger]:
+    return [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+
+
+class _LightningNotes(logging.Filter):
+    """Drops Lightning's start-up notes: the accelerators it found, a tip for its cloud logger, the seed."""
+
+    NOTES = ("GPU available", "TPU available", "HPU available", "💡 Tip", "Seed set to")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(note in message for note in self.NOTES)
+
+
+def _quiet_lightning_notes() -> None:
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.seed"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _LightningNotes) for f in logger.filters):
+            logger.addFilter(_LightningNotes())
 
 
 def plot_rewards(metrics_csv: Path, out: Path, before: float | None = None) -> None:

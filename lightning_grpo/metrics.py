@@ -2,8 +2,8 @@
 
 The reduction follows TRL's async GRPO, so the same names mean the same thing: a `(numerator, denominator)` pair is a
 rate (Σnum / Σden, never a mean of ratios), a `total` word in the name is a counter (producers push increments,
-summed over the window), a `max` or `min` word is an extremum, anything else is a gauge (window mean). NaN values
-are skipped.
+summed over the window; `lightning_grpo.step_metrics.StepMetrics` adds the windows up into the run's totals that get
+logged), a `max` or `min` word is an extremum, anything else is a gauge (window mean). NaN values are skipped.
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ def append_metric(metrics: dict[str, list] | None, key: str, value: float) -> No
         metrics.setdefault(key, []).append(value)
 
 
+def is_counter(key: str) -> bool:
+    """Whether `key` names a counter: a `total` word in its last part (`reward_pool/errors_total`)."""
+    return "total" in key.split("/")[-1].split("_")
+
+
 def reduce_metric(key: str, values: list[MetricValue]) -> float:
     """One window of `values` logged under `key`, reduced to the number that gets logged."""
     values = [v for v in values if isinstance(v, tuple) or not math.isnan(v)]
@@ -29,9 +34,9 @@ def reduce_metric(key: str, values: list[MetricValue]) -> float:
     if isinstance(values[0], tuple):
         numerator, denominator = (sum(part) for part in zip(*values, strict=True))
         return numerator / denominator if denominator else float("nan")
-    words = key.split("/")[-1].split("_")
-    if "total" in words:
+    if is_counter(key):
         return float(sum(values))
+    words = key.split("/")[-1].split("_")
     if "max" in words:
         return float(max(values))
     if "min" in words:

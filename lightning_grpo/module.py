@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
-import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 from peft import LoraConfig
 
 from ._imports import import_object
@@ -31,12 +33,15 @@ from .policy import (
 )
 from .reference import ReferenceModel, ReferencePolicy, adapters_start_at_zero, make_reference
 from .sharding import check_strategy, clip_gradient_norm, gradient_sync, is_fsdp2, is_sharded, shard_policy
+from .step_metrics import StepMetrics
 from .tooling import ConversationSpec
 from .validation_metrics import ValidationTally, check_validation_options
 from .weights.adapters import adapter_config
 
 #: Checkpoint key of the reference model, present once `sync_ref_model` mixed it (it is the initial policy before).
 REFERENCE_KEY = "grpo_reference_model"
+#: Checkpoint key of the run's metric totals (`*_total`).
+METRIC_TOTALS_KEY = "grpo_metric_totals"
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +83,31 @@ class GRPOModule(pl.LightningModule):
     `sampling/sampling_logp_difference/{mean,max}` (trainer vs generator at the step's first pass),
     `sampling/importance_sampling_ratio/{min,mean,max}` (with the correction), `policy_loss` and `entropy_coef`
     (with an entropy bonus), the masked fractions `sampling/is_masked_frac`, `off_policy/masked_frac` and
-    `entropy/masked_frac`, `sample/staleness_*`, `batch/*`, `perf/step_s`, `perf/fwd_bwd_s`, `lr`.
+    `entropy/masked_frac`, `sample/staleness_*`, `batch/*`, `perf/step_s`, `perf/fwd_bwd_s`, `lr` (the learning rate the step trained with).
+    Each optimizer step's metrics reach every logger once, as one row (`step_metrics`, a `StepMetrics`); a `*_total`
+    metric is the run's count so far, kept in the checkpoint.
+
+    Optimizer and schedule: AdamW (`learning_rate`, `weight_decay`, `betas`) with a linear warm-up over
+    `warmup_steps` and then a constant rate, unless `optimizer` / `lr_scheduler` say otherwise. Both follow
+    LightningCLI's callable pattern: in YAML, `model.optimizer: {class_path: torch.optim.SGD, init_args: {lr: 0.1}}`
+    and `model.lr_scheduler: {class_path: torch.optim.lr_scheduler.CosineAnnealingLR, init_args: {T_max: 40}}`; in
+    Python, any callable such as `functools.partial(torch.optim.SGD, lr=0.1)`. The optimizer gets the policy's
+    parameters that require grad, once `configure_model` has loaded the policy. With `warmup_steps` and an
+    `lr_scheduler`, the warm-up runs first and the scheduler starts after it (`SequentialLR`). Resuming from a
+    checkpoint restores both.
 
     Args:
         model: the policy: a name or path for `lightning_grpo.models.load_policy` (`"tiny-random"`,
             `"smollm2-135m-instruct"`, a local folder, a Hub id) or an `nn.Module` (a transformers causal LM).
-        learning_rate: AdamW's learning rate.
-        weight_decay: AdamW's weight decay.
-        betas: AdamW's betas.
-        warmup_steps: linear warm-up of the learning rate over this many optimizer steps, then constant.
+        learning_rate: the default AdamW's learning rate.
+        weight_decay: the default AdamW's weight decay.
+        betas: the default AdamW's betas.
+        warmup_steps: linear warm-up of the learning rate over this many optimizer steps, from `1 / (warmup_steps
+            + 1)` of the rate; then constant, or `lr_scheduler`.
+        optimizer: builds the optimizer from the parameters to train (`OptimizerCallable`); None: AdamW with
+            `learning_rate`, `weight_decay` and `betas` (with an `optimizer`, those are ignored, with a warning).
+        lr_scheduler: builds a learning-rate scheduler from the optimizer (`LRSchedulerCallable`), stepped once per
+            optimizer step; None: constant after the warm-up.
         max_grad_norm: clip the gradient norm to this; None disables clipping.
         epsilon: lower clip range of the ratio (`1 - epsilon`).
         epsilon_high: upper clip range (`1 + epsilon_high`), at least `epsilon`; default `epsilon` (DAPO uses 0.28).
@@ -145,7 +166,8 @@ class GRPOModule(pl.LightningModule):
         ValueError: a non-positive `learning_rate` or `max_grad_norm`, a negative `warmup_steps`, `scorer_weights` of
             the wrong length, an out-of-range loss option or a combination GRPOTrainer refuses (both named), a
             `peft_config` whose `target_modules` match no module of the policy (the message lists those LoRA can
-            adapt), `sync_ref_model` with LoRA; in `setup`, a strategy whose gradients would not be synchronised;
+            adapt), `sync_ref_model` with LoRA, an `optimizer` or
+            `lr_scheduler` that cannot be built (or a `ReduceLROnPlateau`, which needs a monitored metric); in `setup`, a strategy whose gradients would not be synchronised;
             when a checkpoint is restored, one without this policy's adapters.
         TypeError: a `peft_config` that is not a `peft.LoraConfig`; (in `setup`) a data module that is not a
             `RolloutSource` (or none).
@@ -164,6 +186,8 @@ class GRPOModule(pl.LightningModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         warmup_steps: int = 0,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
         max_grad_norm: float | None = 1.0,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
@@ -211,12 +235,18 @@ class GRPOModule(pl.LightningModule):
                 f"`GRPOModule({', '.join(problems)})`: learning_rate and max_grad_norm must be positive, "
                 "warmup_steps at least 0."
             )
+        _check_optimizer_options(
+            optimizer, lr_scheduler, learning_rate=learning_rate, weight_decay=weight_decay, betas=betas
+        )
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
         if peft_config is None and is_peft_model(model):
             peft_config = adapter_config(model)  # a PEFT model passed in trains and checkpoints the same way
         if peft_config is not None:
             check_peft_config(peft_config, model)
             self.strict_loading = False  # checkpoints hold the adapters, not the base weights
-        self.save_hyperparameters(ignore=["model", "scorers", "peft_config"])  # the config goes in as plain JSON
+        # The LoRA config goes in as plain JSON; callables stay out (the checkpoint is loaded with weights_only=True).
+        self.save_hyperparameters(ignore=["model", "scorers", "peft_config", "optimizer", "lr_scheduler"])
         self.peft_config = peft_config
         loss = {name: self.hparams[name] for name in LossOptions.__dataclass_fields__}
         if vllm_importance_sampling_cap is not None:
@@ -252,6 +282,8 @@ class GRPOModule(pl.LightningModule):
         self.automatic_optimization = False
         self.reference: ReferencePolicy | None = None
         self.contract: RolloutContract | None = None
+        self.step_metrics = StepMetrics()
+        self.scored_step: Any = None  # the last step's `ScoredStep` (trainer scorers), for the completions table
         self._step_started: float | None = None
         self._generate_attention: str | None = None
         self._val_tally: ValidationTally | None = None
@@ -300,10 +332,13 @@ class GRPOModule(pl.LightningModule):
     def configure_callbacks(self) -> list[pl.Callback]:
         """The callbacks async GRPO needs, in the order they must run, unless the trainer already has them.
 
-        `RolloutStopCallback` plans the next step, so it runs after `WeightSyncCallback` has pushed this step's
-        weights; a `RolloutStopCallback` the trainer already has is moved after a `WeightSyncCallback` added here.
+        `WeightSyncCallback` pushes this step's weights; `RolloutStopCallback` then plans the next step (the
+        look-ahead); `RolloutMetricsCallback` logs what the rollout side measured up to there, the look-ahead's drops
+        included. Lightning appends the callbacks returned here after the trainer's, replacing the trainer's own of
+        the same types: a callback the trainer has is returned (moved) only when one before it in that order is
+        added or comes after it. A `CompletionsTableCallback` is added when the trainer has none; it may run anywhere.
         """
-        from .callbacks import RolloutMetricsCallback, RolloutStopCallback, WeightSyncCallback
+        from .callbacks import CompletionsTableCallback, RolloutMetricsCallback, RolloutStopCallback, WeightSyncCallback
 
         trainer = _trainer_of(self)
         present = list(trainer.callbacks) if trainer is not None else []
@@ -311,27 +346,44 @@ class GRPOModule(pl.LightningModule):
         def find(cls: type) -> pl.Callback | None:
             return next((c for c in present if isinstance(c, cls)), None)
 
-        added = [cls() for cls in (WeightSyncCallback, RolloutMetricsCallback) if find(cls) is None]
-        stop = find(RolloutStopCallback)
-        if stop is None:
-            return [*added, RolloutStopCallback()]
-        # Lightning appends the callbacks returned here, replacing the trainer's of the same type: returning the
-        # trainer's own RolloutStopCallback moves it after what is added.
-        return [*added, stop] if added else []
+        returned: list[pl.Callback] = []
+        position = -1
+        for cls in (WeightSyncCallback, RolloutStopCallback, RolloutMetricsCallback):
+            own = find(cls)
+            if own is None:
+                returned.append(cls())
+            elif returned or present.index(own) < position:
+                returned.append(own)
+            else:
+                position = present.index(own)
+        if find(CompletionsTableCallback) is None:
+            returned.append(CompletionsTableCallback())
+        return returned
 
     def configure_optimizers(self) -> dict[str, Any]:
+        """The optimizer over the policy's parameters that require grad, and its per-step schedule (see the class)."""
         hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            trainable_parameters(self.policy), lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
-        )
+        parameters = list(trainable_parameters(self.policy))
+        if self.optimizer_factory is not None:
+            optimizer = self.optimizer_factory(parameters)
+        else:
+            optimizer = torch.optim.AdamW(
+                parameters, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
+            )
         warmup = hp.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        lr_scheduler = torch.optim.lr_scheduler
+        scheduler = lr_scheduler.LinearLR(optimizer, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup)
+        if self.lr_scheduler_factory is not None:
+            after = self.lr_scheduler_factory(optimizer)
+            scheduler = (
+                lr_scheduler.SequentialLR(optimizer, [scheduler, after], milestones=[warmup]) if warmup else after
+            )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # -- checkpoints ------------------------------------------------------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Every rank: describe the policy for `lightning-grpo export`; with LoRA, keep the adapters and drop the base
+        """Every rank: describe the policy for `lightning-grpo export`, keep the metric totals; with LoRA, keep the adapters and drop the base
         weights; add the reference model once a TR-DPO mix made it differ from the initial policy (before that,
         `configure_model` rebuilds it from the policy it loads).
 
@@ -339,14 +391,16 @@ class GRPOModule(pl.LightningModule):
         checkpoint for every tensor of the model, whatever `strict_loading` says.
         """
         checkpoint[CHECKPOINT_KEY] = policy_record(self.model_name, self.peft_config, self.hparams.dtype)
+        checkpoint[METRIC_TOTALS_KEY] = self.step_metrics.state_dict()
         if isinstance(self.reference, ReferenceModel) and self.reference.mixed:
             checkpoint[REFERENCE_KEY] = self.reference.state_dict()
         if self.peft_config is not None and self.policy is not None and not is_fsdp2(self.policy):
             checkpoint["state_dict"] = drop_frozen_weights(checkpoint["state_dict"], self.policy, prefix="policy.")
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore a mixed reference model; with LoRA, refuse a checkpoint that lacks this policy's adapters (the base
+        """Restore the metric totals and a mixed reference model; with LoRA, refuse a checkpoint that lacks this policy's adapters (the base
         weights are not in it)."""
+        self.step_metrics.load_state_dict(checkpoint.get(METRIC_TOTALS_KEY, {}))
         reference = checkpoint.get(REFERENCE_KEY)
         if reference is not None and isinstance(self.reference, ReferenceModel):
             self.reference.load_state_dict(reference)
@@ -385,8 +439,9 @@ class GRPOModule(pl.LightningModule):
             group=datamodule.process_group,
             advantage_estimator=contract.advantage_estimator,
         )
-        if scored is not None and scored.metrics:
-            self.log_dict(scored.metrics, rank_zero_only=True, on_step=True, on_epoch=False)
+        self.scored_step = scored
+        if scored is not None and scored.metrics and self.trainer.is_global_zero:
+            self.step_metrics.add(self, scored.metrics)
 
     def _column_weights(self) -> list[float]:
         scorer_weights = self.hparams.scorer_weights or [1.0] * len(self.scorers)
@@ -408,13 +463,14 @@ class GRPOModule(pl.LightningModule):
             for micro_batch in micro_batches:  # once per planned step, as GRPOTrainer does per generation
                 micro_batch["ref_log_probs"] = self.reference.logprobs(micro_batch, context)
         stats, iterations = LossStats(), 0
+        lr = self.optimizers().param_groups[0]["lr"]  # the rate this step trains with (the scheduler moves it after)
         for iteration in range(self.hparams.num_iterations):
             stats = stats + self._optimizer_step(micro_batches, context, first=iteration == 0)
             iterations += 1
             self._sync_reference()
             if _max_steps_reached(self.trainer):
                 break
-        self._log_step(batch, stats, iterations, fwd_bwd_s=time.perf_counter() - started)
+        self._log_step(batch, stats, iterations, lr=lr, fwd_bwd_s=time.perf_counter() - started)
 
     def _loss_context(self, num_micro_batches: int) -> LossContext:
         contract = self.contract
@@ -456,7 +512,7 @@ class GRPOModule(pl.LightningModule):
         with full_parameters(self.trainer.model):
             self.reference.mix(self.policy, hp.ref_model_mixup_alpha)
 
-    def _log_step(self, batch: StepBatch, stats: LossStats, iterations: int, fwd_bwd_s: float) -> None:
+    def _log_step(self, batch: StepBatch, stats: LossStats, iterations: int, lr: float, fwd_bwd_s: float) -> None:
         strategy = self.trainer.strategy
         sums = strategy.reduce(stats.sums(), reduce_op="sum")
         maxima = stats.maxima().clone()
@@ -468,17 +524,19 @@ class GRPOModule(pl.LightningModule):
                 metrics[total] /= iterations
         if self.loss_options.entropy_coef != 0:
             metrics["entropy_coef"] = self.loss_options.entropy_coef
-        metrics["lr"] = self.optimizers().param_groups[0]["lr"]
+        metrics["lr"] = lr
         metrics["perf/fwd_bwd_s"] = fwd_bwd_s
         now = time.perf_counter()
         if self._step_started is not None:
             metrics["perf/step_s"] = now - self._step_started
         self._step_started = now
-        finite = {k: v for k, v in metrics.items() if not math.isnan(v)}
-        self.log_dict(finite, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
-        if self.trainer.is_global_zero and batch.metrics:
-            sample_metrics = {k: float(v) for k, v in batch.metrics.items() if _is_number(v) and not math.isnan(v)}
-            self.log_dict(sample_metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        if self.trainer.is_global_zero:
+            self.step_metrics.add(self, metrics)
+            self.step_metrics.add(self, {k: v for k, v in batch.metrics.items() if _is_number(v)})
+
+    def on_train_batch_end(self, outputs: Any, batch: StepBatch, batch_idx: int) -> None:
+        """After every callback's: send this step's metrics to the loggers, once (see `StepMetrics`)."""
+        self.step_metrics.flush(self.trainer)
 
     # -- validation -------------------------------------------------------------------------------------------------
 
@@ -545,6 +603,39 @@ class GRPOModule(pl.LightningModule):
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
         return int(value.item())
+
+
+def _check_optimizer_options(optimizer: Any, lr_scheduler: Any, **adamw: Any) -> None:
+    """Warn that AdamW's own options are ignored beside an `optimizer`, and build the optimizer and the scheduler
+    once over a stand-in parameter, so that a bad argument of theirs fails now rather than inside fit."""
+    defaults = inspect.signature(GRPOModule.__init__).parameters
+    changed = [f"{key}={value}" for key, value in adamw.items() if _plain(value) != _plain(defaults[key].default)]
+    if optimizer is not None and changed:
+        rank_zero_warn(
+            f"`GRPOModule(optimizer=..., {', '.join(changed)})`: learning_rate, weight_decay and betas configure the "
+            "default AdamW only, so they are ignored; the optimizer's own arguments (`init_args` in YAML) apply."
+        )
+    probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    for name, factory, argument in (
+        ("optimizer", optimizer, [torch.nn.Parameter(torch.zeros(1))]),
+        ("lr_scheduler", lr_scheduler, probe),
+    ):
+        if factory is None:
+            continue
+        try:
+            built = factory(argument)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"`GRPOModule({name}=...)` cannot be built: {type(error).__name__}: {error}") from error
+        if isinstance(built, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError(
+                "`GRPOModule(lr_scheduler=ReduceLROnPlateau)` needs a monitored metric at each step; GRPOModule steps "
+                "its scheduler once per optimizer step without one. Use a step-based scheduler (CosineAnnealingLR, "
+                "LinearLR, OneCycleLR, ...)."
+            )
+
+
+def _plain(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list | tuple) else value
 
 
 def _resolve_scorer(scorer: Any) -> Any:

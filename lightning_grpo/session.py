@@ -91,7 +91,8 @@ class RolloutSession:
         return cls(worker, pipeline, metrics)
 
     def drain_metrics(self) -> dict[str, float]:
-        """What the child and the pipeline measured since the last call, reduced for logging."""
+        """What the child and the pipeline measured since the last call, reduced for logging (`*_total` values are
+        the increments since the last call)."""
         window = self._window
         while True:
             try:
@@ -100,8 +101,6 @@ class RolloutSession:
                 break
         window.update(self._metrics)
         self._metrics.clear()
-        window.add("perf/rollout_wait_s", self.pipeline.wait_s)
-        self.pipeline.wait_s = 0.0
         return window.flush()
 
     def close(self) -> None:

@@ -151,26 +151,47 @@ def test_progress_bar_is_grpo_unless_the_config_brings_one_or_turns_it_off(in_pr
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("option", "named"),
+    ("options", "named"),
     [
-        ("--data.reward_funcs=[no_such_pkg.rewards.nope]", "no_such_pkg.rewards.nope"),
-        ("--data.reward_funcs=[lightning_grpo.rewards.no_such_reward]", "lightning_grpo.rewards.no_such_reward"),
-        ("--data.dataset=missing/prompts.jsonl", "missing/prompts.jsonl"),
-        ("--data.num_generations=four", "four"),
-        ("--data.scale_rewards=sometimes", "sometimes"),
-        ("--data.num_generations=1", "num_generations=1"),
+        (["--data.reward_funcs=[no_such_pkg.rewards.nope]"], "no_such_pkg.rewards.nope"),
+        (["--data.reward_funcs=[lightning_grpo.rewards.no_such_reward]"], "lightning_grpo.rewards.no_such_reward"),
+        (["--data.dataset=missing/prompts.jsonl"], "missing/prompts.jsonl"),
+        (["--data.num_generations=four"], "four"),
+        (["--data.scale_rewards=sometimes"], "sometimes"),
+        (["--data.num_generations=1"], "num_generations=1"),
+        (["--data.dataset=questions.jsonl"], "(dataset='questions.jsonl')` has no column(s) ['prompt']"),
+        (["--data.dataset=no_answers.jsonl"], "reward 'accuracy' needs column(s) ['answer']"),
+        (["--data.num_generations=9"], "A group of 9 samples"),
+        (["--model.model=no-such/model"], "could not load the tokenizer 'no-such/model'"),
+        (["--model.optimizer=torch.optim.SGD", "--model.optimizer.lr=-1"], "Invalid learning rate: -1"),
     ],
-    ids=["reward_module", "reward_name", "dataset_file", "wrong_type", "not_a_choice", "out_of_range"],
+    ids=[
+        "reward_module",
+        "reward_name",
+        "dataset_file",
+        "wrong_type",
+        "not_a_choice",
+        "out_of_range",
+        "no_prompt_column",
+        "no_column_a_reward_needs",
+        "group_never_fits_a_step",
+        "tokenizer",
+        "optimizer_argument",
+    ],
 )
-def test_bad_input_exits_2_naming_the_value_before_starting_any_process(
-    option, named, capsys, in_process, started_processes, no_leaked_processes
+def test_bad_input_exits_2_with_one_line_naming_the_value_before_starting_any_process(
+    options, named, tmp_path, capsys, in_process, started_processes, no_leaked_processes
 ):
+    (tmp_path / "questions.jsonl").write_text('{"question": "What is 1+1?", "answer": "2"}\n')
+    (tmp_path / "no_answers.jsonl").write_text('{"prompt": "What is 1+1?", "solution": "2"}\n')
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", SMOKE, option])
+        main(["fit", "--config", SMOKE, *options])
     error = capsys.readouterr().err
     assert exit_info.value.code == 2
-    assert named in error, error[-2000:]
     assert "Traceback" not in error
+    message = error[error.rindex("error: ") :].strip()  # the parser's usage lines come before it
+    assert named in message, error[-2000:]
+    assert len(message.splitlines()) <= 2, message  # ours are one line; the parser's own add the expected type
     assert started_processes == []
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from datasets import Dataset
 
-from lightning_grpo.data import arithmetic_dataset, check_columns, load_prompts
+from lightning_grpo.data import arithmetic_dataset, check_columns, check_reward_columns, load_prompts, reward_columns
 
 
 def test_arithmetic_is_reproducible_and_answers_are_right():
@@ -49,3 +49,33 @@ def test_missing_column_names_it_and_lists_present_ones():
 def test_empty_dataset_is_an_error():
     with pytest.raises(ValueError, match="no rows"):
         load_prompts(Dataset.from_dict({"prompt": []}))
+
+
+def test_the_columns_a_reward_needs_are_its_named_parameters_without_defaults():
+    import functools
+
+    from lightning_grpo.rewards import accuracy, boxed_format
+
+    class Judge:
+        def __call__(self, completions, rubric, *, strict=False, **kwargs):
+            return [0.0] * len(completions)
+
+    def needs_two(completions, prompts, answer, task, completion_ids=None, **kwargs):
+        return [0.0] * len(completions)
+
+    assert reward_columns(accuracy) == {"answer"} and reward_columns(boxed_format) == set()
+    assert reward_columns(needs_two) == {"answer", "task"}
+    assert reward_columns(functools.partial(needs_two, task="add")) == {"answer"}
+    assert reward_columns(Judge()) == {"rubric"}
+    assert reward_columns(print) == set()  # a builtin: no named parameter without a default
+
+
+def test_a_dataset_without_a_column_a_reward_needs_names_both():
+    from lightning_grpo.rewards import accuracy
+
+    prompts = Dataset.from_dict({"prompt": ["q"], "solution": ["2"]})
+    with pytest.raises(
+        ValueError, match=r"my data: reward 'accuracy' needs column\(s\) \['answer'\].*\['prompt', 'solution'\]"
+    ):
+        check_reward_columns(prompts, [accuracy], source="my data")
+    check_reward_columns(prompts.rename_column("solution", "answer"), [accuracy], source="my data")

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 from importlib.resources import files
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from lightning_grpo.main_job import ACCURACY, main
 
 SMOKE = str(files("lightning_grpo.configs") / "smoke.yaml")
+PROGRESS = ("Training: ", "Validation at step ")
 
 
 @pytest.mark.timeout(300)
@@ -23,8 +25,20 @@ def test_main_job_reports_accuracy_before_and_after_with_a_plot_and_summary(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["main_job"])
     summary = main(["--config", SMOKE])
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "held-out accuracy before training" in printed and "held-out accuracy after training" in printed
+
+    # One screen besides the progress lines (no terminal here: lines, not a bar), ending with where things are.
+    screen = [line for line in (captured.out + captured.err).splitlines() if not line.startswith(PROGRESS)]
+    assert len(screen) <= 12, "\n".join(screen)
+    assert [line.split(":")[0] for line in printed.splitlines()[-4:]] == [
+        "metrics",
+        "completions table",
+        "reward plot",
+        "summary",
+    ]
+    assert all(Path(line.split(":", 1)[1].strip()).is_file() for line in printed.splitlines()[-4:])
 
     log_dir = next((tmp_path / "smoke").glob("version_*"))
     assert json.loads((log_dir / "summary.json").read_text()) == summary
@@ -32,6 +46,7 @@ def test_main_job_reports_accuracy_before_and_after_with_a_plot_and_summary(
     assert summary["groups_consumed"] == 8 and summary["optimizer_steps"] >= 1
     assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
     assert summary["peak_rss_gb"] > 0 and summary["fit_minutes"] > 0
+    assert pd.read_csv(summary["completions_csv"])["step"].nunique() >= 2  # the first and the last step at least
 
     # "after" is the validation the fit ran after its last step, when the stream ended it, not a second pass over
     # the held-out prompts (Lightning logs it under that step's row).

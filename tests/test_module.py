@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import pytest
+import torch
+from learning_rates import learning_rates
 from tiny_fits import cpu_trainer, tiny_datamodule, tiny_prompts
 
 from lightning_grpo.module import GRPOModule
@@ -33,12 +35,17 @@ class StrictSharedMemory(SharedMemoryWeightTransfer):
 @pytest.mark.timeout(240)
 def test_fit_ends_by_itself_when_groups_are_consumed(tmp_path, no_leaked_processes):
     """Also: the weight transfer passed as `weight_transfer` (built from the policy at the first push) is initialised
-    once, before the first send, and every push publishes the next version."""
+    once, before the first send, and every push publishes the next version; the progress bar (drawn as in a
+    terminal) counts prompt groups: its total is the run's, its count the consumed ones."""
+    from lightning_grpo.callbacks import GRPOProgressBar
+
     datamodule = tiny_datamodule(6, epochs=1, gradient_accumulation_steps=2, weight_transfer=StrictSharedMemory)
-    trainer = cpu_trainer(default_root_dir=tmp_path)
+    bar = GRPOProgressBar(lines=False)
+    trainer = cpu_trainer(default_root_dir=tmp_path, enable_progress_bar=True, callbacks=[bar])
     trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
     assert trainer.global_step == 3
     assert datamodule.progress.trained_total + sum(datamodule.progress.dropped.values()) == 6
+    assert bar.train_progress_bar.total == 6 and bar.train_progress_bar.n == len(datamodule.progress.consumed) == 6
     assert StrictSharedMemory.calls == ["init"] + ["send"] * 4 and StrictSharedMemory.versions == [0, 1, 2, 3]
     assert datamodule.state_dict()["weight_sync"] == {"version": 3}
 
@@ -158,3 +165,58 @@ def test_interrupting_fit_stops_the_rollout_child_while_the_process_lives_on(no_
         assert wait_no_children(timeout=10, ignore=before) == []
     finally:
         signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT from its shutdown on
+
+
+def scheduled_rates(module: GRPOModule, steps: int) -> list[float]:
+    """The learning rate of each of `steps` optimizer steps under the module's optimizer and schedule."""
+    configured = module.configure_optimizers()
+    return learning_rates(configured["optimizer"], configured["lr_scheduler"]["scheduler"], steps)
+
+
+def test_default_optimizer_is_adamw_over_trainable_parameters_with_a_linear_warm_up(tiny_model):
+    tiny_model.model.embed_tokens.weight.requires_grad_(False)  # e.g. frozen embeddings, or a LoRA base
+    module = GRPOModule(tiny_model, learning_rate=0.3, warmup_steps=2, weight_decay=0.1)
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["weight_decay"] == 0.1
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
+    assert len(trained) == len(list(tiny_model.parameters())) - 1 and all(p.requires_grad for p in trained)
+    assert scheduled_rates(module, 5) == pytest.approx([0.1, 0.2, 0.3, 0.3, 0.3])
+
+
+def test_an_optimizer_and_scheduler_callable_replace_the_default_and_the_warm_up_runs_first(tiny_model):
+    """What LightningCLI builds from `model.optimizer` / `model.lr_scheduler` YAML: callables of the parameters and
+    of the optimizer."""
+    import functools
+
+    cosine = functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=4)
+    module = GRPOModule(tiny_model, optimizer=functools.partial(torch.optim.SGD, lr=0.5), lr_scheduler=cosine)
+    assert isinstance(module.configure_optimizers()["optimizer"], torch.optim.SGD)
+    reference = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    expected = learning_rates(reference, torch.optim.lr_scheduler.CosineAnnealingLR(reference, T_max=4), 4)
+    rates = scheduled_rates(module, 4)
+    assert rates == pytest.approx(expected)
+    warmed = GRPOModule(
+        tiny_model, optimizer=functools.partial(torch.optim.SGD, lr=0.5), lr_scheduler=cosine, warmup_steps=1
+    )
+    assert scheduled_rates(warmed, 3) == pytest.approx([0.25, *expected[:2]])  # warm-up, then the cosine from its start
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"optimizer": "sgd_negative"},
+            r"GRPOModule\(optimizer=...\)` cannot be built: ValueError: Invalid learning rate",
+        ),
+        ({"lr_scheduler": "plateau"}, r"ReduceLROnPlateau\)` needs a monitored metric"),
+    ],
+)
+def test_an_optimizer_or_scheduler_that_cannot_work_fails_at_construction(tiny_model, options, message):
+    import functools
+
+    factories = {
+        "sgd_negative": functools.partial(torch.optim.SGD, lr=-1.0),
+        "plateau": torch.optim.lr_scheduler.ReduceLROnPlateau,
+    }
+    with pytest.raises(ValueError, match=message):
+        GRPOModule(tiny_model, **{key: factories[value] for key, value in options.items()})

@@ -162,8 +162,9 @@ def test_num_iterations_steps_the_optimizer_and_schedule_that_often_and_pushes_a
     module = GRPOModule("tiny-random", learning_rate=1e-2, num_iterations=2, warmup_steps=4)
     source = fit_replay(module, replay_steps(3), callbacks=[recorder, WeightSyncCallback(every_n_steps=3)])
     assert module.trainer.global_step == 6 and len(source.finished) == 3
-    # LambdaLR(min(1, (step + 1) / 5)) after 2, 4, 6 optimizer steps
-    assert [step["lr"] for step in recorder.steps] == pytest.approx([1e-2 * 3 / 5, 1e-2, 1e-2])
+    # the rate of each planned step's first update (after 0, 2, 4 optimizer steps): the warm-up starts at 1/5 of the
+    # rate and adds 1/5 per optimizer step
+    assert [step["lr"] for step in recorder.steps] == pytest.approx([1e-2 / 5, 1e-2 * 3 / 5, 1e-2])
     assert len(source.transfer.sent) == 1 + 2  # the push at the start, then after batches 2 and 3
 
 

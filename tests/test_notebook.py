@@ -1,5 +1,6 @@
 """`notebooks/quickstart.ipynb` runs top to bottom in a fresh kernel: a reward function defined in a cell trains the
-tiny model through a real rollout child, and the notebook plots the reward per step.
+tiny model through a real rollout child, the reward climbs, and the notebook plots it and shows completions of the
+first and the last step from the completions table.
 
 The kernel is this environment's ipykernel (`python3` resolves to the running interpreter), started in its own
 process session by jupyter_client; after the last cell no other process of that session (the rollout child, the
@@ -43,7 +44,7 @@ def outputs(notebook: nbformat.NotebookNode) -> list[nbformat.NotebookNode]:
 
 
 @pytest.mark.timeout(300)
-def test_quickstart_notebook_trains_with_a_cell_defined_reward_and_plots_it(tmp_path):
+def test_quickstart_notebook_shows_the_reward_of_a_cell_defined_function_climbing(tmp_path):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     client = NotebookClient(
         notebook, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(tmp_path)}}
@@ -60,7 +61,13 @@ def test_quickstart_notebook_trains_with_a_cell_defined_reward_and_plots_it(tmp_
     text = "".join(output.get("text", "") for output in outputs(notebook))
     steps = re.search(r"(\d+) optimizer steps, mean reward ([\d.]+)", text)
     assert steps is not None, text[-3000:]
-    assert int(steps[1]) >= 1 and 0 <= float(steps[2]) <= 1
+    assert int(steps[1]) >= 10 and 0 <= float(steps[2]) <= 1
+    climbed = re.search(r"reward climbed from ([\d.]+) \(first 3 steps\) to ([\d.]+)", text)
+    assert climbed is not None and float(climbed[2]) > float(climbed[1]) + 0.1, text[-3000:]
+    table = re.search(r"first step: mean reward ([\d.]+); last step: ([\d.]+)", text)
+    assert table is not None and float(table[2]) > float(table[1]), text[-3000:]
+    assert "\r" not in text, "the progress bar prints lines in a notebook, not carriage returns"
     assert any("image/png" in output.get("data", {}) for output in outputs(notebook)), "the plot was not shown"
     assert (tmp_path / "reward.png").stat().st_size > 1000
     assert next(tmp_path.glob("logs/quickstart/version_*/metrics.csv")).stat().st_size > 0
+    assert next(tmp_path.glob("logs/quickstart/version_*/completions.csv")).stat().st_size > 0

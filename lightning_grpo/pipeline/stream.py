@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..metrics import reduce_metric
 from .batch import StepBatch
 from .collating import ProgressCollator
 from .filtering import SampleFilterQueue
@@ -26,10 +27,18 @@ from .stopping import StopAwareDataset
 log = logging.getLogger(__name__)
 
 
+#: Metrics the filter stage appends for the groups it passes; they describe the step being planned, so they travel in
+#: that step's `StepBatch.metrics` (logged when it trains) instead of the rollout metrics window.
+STEP_GAUGES = ("sample/staleness_mean", "sample/staleness_max", "sample/time_in_queue_s")
+
+
 class RolloutPipeline:
     """Rank 0's pipeline from the rollout queue to per-rank step batches; iterate it once.
 
     Each item is a list of `num_processes` `StepBatch`es (rank r's at index r); the last one is a list of stop items.
+    Rank 0's batch of each step carries, besides the planner's and collator's metrics, the staleness and queue time
+    of the groups the filter passed while it was planned and `perf/rollout_wait_s` (how long the trainer waited for
+    it).
 
     Args:
         worker: the started `GRPORolloutWorker` (its `rollout_buffer`, `check_health`, `groups_consumed`).
@@ -73,7 +82,6 @@ class RolloutPipeline:
         )
         self.planner = StepPlanner(filtered, progress=progress, metrics=metrics, **planner_kwargs)
         self.collator = collator
-        self.wait_s = 0.0
 
     def _poll(self) -> None:
         """While waiting for rollouts: fail on a dead or hung child, and tell it how far the trainer got (pacing)."""
@@ -85,6 +93,10 @@ class RolloutPipeline:
         admitted now is generated with the newest weights and trains within `max_staleness` versions of them."""
         self.worker.groups_consumed = self.progress.settled() - self._settled_at_start
 
+    def _step_gauges(self, waited_s: float) -> dict[str, float]:
+        gauges = {key: reduce_metric(key, self.metrics.pop(key)) for key in STEP_GAUGES if self.metrics.get(key)}
+        return {**gauges, "perf/rollout_wait_s": waited_s}
+
     def __iter__(self) -> Iterator[list[StepBatch]]:
         items = iter(StopAwareDataset(self.planner))
         while True:
@@ -92,7 +104,8 @@ class RolloutPipeline:
             self.report_consumed()  # the previous step trained and its weights were pushed by now
             item = next(items)
             batches = self.collator(item)
-            self.wait_s += time.monotonic() - started
+            if not batches[0].stop:
+                batches[0].metrics.update(self._step_gauges(waited_s=time.monotonic() - started))
             yield batches
             if isinstance(item, RolloutStop) or batches[0].stop:
                 return

@@ -7,6 +7,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -344,6 +345,22 @@ def _child_entry(
         if not failed_event.is_set():  # failed while building the loop, before TRL's run() could report it
             _report(error, exception_queue, failed_event)
         raise
+    _exit_after_stop(rollout_buffer, metrics_queue)
+
+
+def _exit_after_stop(*queues: Any) -> None:
+    """End the child as soon as its loop stopped cleanly (`stop()` asked for it, and its pools are closed).
+
+    A normal interpreter exit with torch and transformers loaded spends seconds freeing modules (more on a busy
+    machine), which `stop()` would wait for and then terminate. What is still buffered for the queues is dropped
+    instead of flushed: the trainer stopped reading them before it called `stop()`.
+    """
+    for q in queues:
+        q.cancel_join_thread()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def _report(error: BaseException, exception_queue: Any, failed_event: Any) -> None:
