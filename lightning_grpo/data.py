@@ -9,6 +9,7 @@ text) is `lightning_grpo.rollout.chat.render_prompt`'s business.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -105,7 +106,8 @@ def reward_columns(func: Callable) -> set[str]:
     """The dataset columns `func` cannot be called without: its named parameters without a default, other than
     `completions`, `prompts` and `completion_ids` (empty when its signature cannot be read)."""
     try:
-        parameters = inspect.signature(func).parameters.values()
+        # a partial's own signature (its bound keywords have defaults), even when update_wrapper points past it
+        parameters = inspect.signature(func, follow_wrapped=not isinstance(func, functools.partial)).parameters.values()
     except (TypeError, ValueError):
         return set()
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)

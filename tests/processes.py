@@ -41,9 +41,17 @@ def wait_no_children(timeout: float = 10.0, ignore: frozenset[int] | set[int] = 
 
 def describe(process: psutil.Process) -> str:
     try:
-        return f"{process.pid}: {' '.join(process.cmdline())[:200]}"
+        return f"{process.pid} ({process.status()}): {' '.join(process.cmdline())[:200]}"
     except psutil.Error:
         return str(process.pid)
+
+
+def is_exiting(process: psutil.Process) -> bool:
+    """A process whose exit is under way: the kernel has released its memory (so its command line reads empty) but
+    not yet its last resources, which on a loaded machine (a core dump, a large address space) can take seconds."""
+    with contextlib.suppress(psutil.Error):
+        return not process.cmdline()
+    return True
 
 
 def session_processes(sid: int) -> list[psutil.Process]:
@@ -64,7 +72,8 @@ def run_in_session(args: list[str], *, log: Path, timeout: float, cwd: Path | No
     """Run `args` in its own process session with output to `log`; return the exit code and the output.
 
     Fails the test on a hang (after `timeout` s) or when a process of the session (a rollout child, a reward worker,
-    a DDP rank) outlives the command by more than 15 s; the whole session is SIGKILLed in the end either way.
+    a DDP rank) outlives the command by more than 15 s (45 s for one already exiting); the whole session is SIGKILLed
+    in the end either way.
     """
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     with log.open("w") as log_file:
@@ -75,6 +84,9 @@ def run_in_session(args: list[str], *, log: Path, timeout: float, cwd: Path | No
         code = process.wait(timeout=timeout)
         deadline = time.monotonic() + 15
         while session_processes(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        deadline = time.monotonic() + 30  # only for processes already exiting: a live one fails the test now
+        while (left := session_processes(process.pid)) and all(map(is_exiting, left)) and time.monotonic() < deadline:
             time.sleep(0.1)
         leftovers = [describe(p) for p in session_processes(process.pid)]
     except subprocess.TimeoutExpired:

@@ -74,7 +74,8 @@ def test_what_grpo_trainer_warns_about_is_warned(options, warned):
         GRPOModule("tiny-random", **options)
 
 
-def test_defaults_are_grpo_trainers_but_the_mismatch_correction():
+def test_defaults_are_grpo_trainers_but_the_three_the_readme_explains():
+    """The README's "Where the GRPO family differs" says why these three differ."""
     import inspect
     import warnings
 
@@ -89,7 +90,7 @@ def test_defaults_are_grpo_trainers_but_the_mismatch_correction():
     names = [n for n in ours if hasattr(trl, n) and n not in ("model", "learning_rate", "vllm_importance_sampling_cap")]
     assert set(LossOptions.__dataclass_fields__) <= set(names) | {"epsilon"}
     differ = {name for name in names if ours[name].default != getattr(trl, name)}
-    assert differ == {"vllm_importance_sampling_correction"}, differ
+    assert differ == {"vllm_importance_sampling_correction", "gradient_checkpointing", "num_generations_eval"}, differ
 
 
 def test_the_deprecated_cap_is_the_upper_clip_bound_as_in_trl():

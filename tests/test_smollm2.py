@@ -27,26 +27,37 @@ QUESTION = [{"role": "user", "content": "What is 12 + 7? Put the final answer in
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """One conversion for the module's tests, with what it printed."""
+    """One conversion for the module's tests, with what it printed and the model it read from the GGUF (kept to
+    compare against, so the GGUF is dequantized once)."""
     cache = tmp_path_factory.mktemp("cache")
     capture = pytest.MonkeyPatch()
     printed: list[str] = []
+    read: list[torch.nn.Module] = []
+    load = AutoModelForCausalLM.from_pretrained
+
+    def keep_what_is_read(*args, **kwargs):
+        read.append(load(*args, **kwargs))
+        return read[-1]
+
     capture.setattr("builtins.print", lambda *args, **kwargs: printed.append(" ".join(map(str, args))))
+    capture.setattr("transformers.AutoModelForCausalLM.from_pretrained", keep_what_is_read)
     try:
         path = smollm2_path(cache)
     finally:
         capture.undo()
-    return cache, path, printed
+    return cache, path, printed, read
 
 
 @needs_wheel
 @pytest.mark.timeout(180)
 def test_conversion_keeps_the_gguf_model_and_its_chat_template(converted):
-    _, path, printed = converted
+    _, path, printed, read = converted
     assert path.name == SMOLLM2_NAME
     assert any("Converting" in line for line in printed), printed  # the user sees why the first run pauses
     gguf = smollm2_gguf()
-    original = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    (original,) = read  # the conversion read the GGUF's model once, in fp32
+    original.eval()
+    assert next(original.parameters()).dtype == torch.float32
     original_tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -64,7 +75,7 @@ def test_conversion_keeps_the_gguf_model_and_its_chat_template(converted):
 
 @needs_wheel
 def test_a_converted_cache_is_reused_without_converting_again(converted, capsys):
-    cache, path, _ = converted
+    cache, path, _, _ = converted
     written = (path / "model.safetensors").stat().st_mtime_ns
     assert smollm2_path(cache) == path
     assert "Converting" not in capsys.readouterr().out
@@ -75,6 +86,12 @@ def test_a_converted_cache_is_reused_without_converting_again(converted, capsys)
 @needs_wheel
 @pytest.mark.timeout(180)
 def test_an_interrupted_conversion_leaves_no_half_written_cache(tmp_path, monkeypatch):
+    """The conversion's model is the tiny one here (reading the GGUF is the other tests' part): what matters is that
+    a failure after the weights are written leaves nothing in the cache."""
+    from lightning_grpo.models import tiny_llama
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *args, **kwargs: tiny_llama(0))
+
     def save_half_then_fail(self, folder, *args, **kwargs):
         (folder / "tokenizer.json").write_text("{")
         raise OSError("No space left on device")
@@ -96,7 +113,7 @@ def test_without_the_wheel_the_error_gives_the_install_command(monkeypatch, tmp_
 def test_the_model_name_validates_on_arithmetic_with_math_verify(converted, monkeypatch, no_leaked_processes):
     """`GRPOModule("smollm2-135m-instruct")` finds the converted model, and greedy answers to held-out arithmetic are
     scored by math_verify: a broken chat template or tokenizer would score 0 (the model gets ~40% right)."""
-    cache, _, _ = converted
+    cache, _, _, _ = converted
     monkeypatch.setenv("LIGHTNING_GRPO_CACHE", str(cache))
     datamodule = GRPODataModule(
         dataset="arithmetic",

@@ -182,7 +182,7 @@ def test_bad_tools_environments_and_formats_fail_at_construction_naming_the_valu
 def test_tools_by_import_path_and_environment_columns_reach_the_contract():
     datamodule = GRPODataModule(
         model="tiny-random",
-        dataset=Dataset.from_dict({"prompt": [PROMPT]}),
+        dataset=Dataset.from_dict({"prompt": [PROMPT], "answer": ["7"]}),
         tools=["tool_policy.lookup"],
         environment_factory="tool_policy:LookupEnv",
         reward_weights=[1.0, 2.0],
@@ -195,13 +195,13 @@ def test_tools_by_import_path_and_environment_columns_reach_the_contract():
 
 
 def test_prompts_the_tokenizer_cannot_render_fail_at_set_up(tmp_path):
-    raw = Dataset.from_dict({"prompt": ["7+5="]})
+    raw = Dataset.from_dict({"prompt": ["7+5="], "answer": ["12"]})
     with pytest.raises(ValueError, match=r"dataset: tools and environments need chat prompts"):
         GRPODataModule(model="tiny-random", dataset=raw, tools=[lookup], prompt_format="text").setup("validate")
     tokenizer = char_tokenizer()
     tokenizer.chat_template = None
     tokenizer.save_pretrained(tmp_path)
-    messages = Dataset.from_dict({"prompt": [PROMPT]})
+    messages = Dataset.from_dict({"prompt": [PROMPT], "answer": ["7"]})
     with pytest.raises(ValueError, match=r"the prompts are chat messages but the tokenizer has no chat template"):
         GRPODataModule(model="tiny-random", tokenizer=str(tmp_path), dataset=messages).setup("validate")
 
