@@ -66,6 +66,8 @@ def test_the_columns_a_reward_needs_are_its_named_parameters_without_defaults():
     assert reward_columns(accuracy) == {"answer"} and reward_columns(boxed_format) == set()
     assert reward_columns(needs_two) == {"answer", "task"}
     assert reward_columns(functools.partial(needs_two, task="add")) == {"answer"}
+    named = functools.update_wrapper(functools.partial(needs_two, task="add"), needs_two)  # a name for the metrics
+    assert reward_columns(named) == {"answer"}  # the partial's signature, not the function it wraps
     assert reward_columns(Judge()) == {"rubric"}
     assert reward_columns(print) == set()  # a builtin: no named parameter without a default
 
