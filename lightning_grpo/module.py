@@ -300,6 +300,9 @@ class GRPOModule(pl.LightningModule):
         datamodule = require_rollout_source(self.trainer.datamodule, "GRPOModule")
         self.contract = datamodule.rollout_contract()
         check_strategy(self.trainer.strategy, self.trainer.world_size)
+        # GRPOModule optimizes manually by design and a checkpoint holds the weights after the step it counts, which is
+        # what a resume needs: Lightning's warning about that, printed at every save, says nothing to act on.
+        warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train")
 
     def configure_model(self) -> None:
         if self.policy is None:

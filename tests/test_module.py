@@ -220,3 +220,20 @@ def test_an_optimizer_or_scheduler_that_cannot_work_fails_at_construction(tiny_m
     }
     with pytest.raises(ValueError, match=message):
         GRPOModule(tiny_model, **{key: factories[value] for key, value in options.items()})
+
+
+@pytest.mark.timeout(240)
+def test_checkpoints_every_step_print_no_note_about_manual_optimization(tmp_path, no_leaked_processes):
+    """Lightning warns at every save that a manually optimized module's checkpoint holds the weights after the step;
+    that is what a resume needs, so the warning is left out (the main job's output stays on one screen)."""
+    import warnings
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    trainer = cpu_trainer(default_root_dir=tmp_path, enable_checkpointing=True, callbacks=[saves])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=tiny_datamodule(4, epochs=1))
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == trainer.global_step > 0
+    assert not [w for w in caught if "manual optimization" in str(w.message)]
