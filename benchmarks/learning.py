@@ -32,6 +32,7 @@ reward scoring, the rest of `training_step` (the loss's forward and backward, to
 
     python benchmarks/learning.py                  # the full race (SmolLM2; about 50-70 minutes on 2 quiet cores)
     python benchmarks/learning.py --model tiny-random --train-size 8 --val-size 8     # a check of the plumbing
+    python benchmarks/learning.py --sides ours --reuse runs/learning/<earlier>        # ours again, same TRL run
 """
 
 from __future__ import annotations
@@ -444,6 +445,12 @@ def main() -> None:
     parser.add_argument("--sides", nargs="+", choices=["ours", "trl"], default=["ours", "trl"])
     parser.add_argument("--out", default=None, help="output folder (default: runs/learning/<time>)")
     parser.add_argument("--keep-snapshots", action="store_true")
+    parser.add_argument(
+        "--reuse",
+        default=None,
+        help="an earlier run's output folder: the sides not in --sides are taken from its race.json, as trained and "
+        "scored there (e.g. rerun ours after a change against the same TRL run)",
+    )
     parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)  # one side, in its own process
     args = parser.parse_args()
     args.reward = args.reward or (TINY_REWARD if args.model.startswith("tiny") else "lightning_grpo.rewards.accuracy")
@@ -473,6 +480,13 @@ def main() -> None:
             flush=True,
         )
     evaluate(args, sides)
+    if args.reuse:
+        earlier = json.loads((Path(args.reuse) / "race.json").read_text())
+        for name in ("ours", "trl"):
+            if name not in sides and name in earlier:
+                sides[name] = earlier[name] | {"reused_from": str(args.reuse)}
+                print(f"{name}: as trained and scored in {args.reuse}", flush=True)
+        sides = {name: sides[name] for name in ("ours", "trl") if name in sides}
     if set(sides) == {"ours", "trl"}:
         report(sides, out)
     else:

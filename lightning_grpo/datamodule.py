@@ -24,9 +24,10 @@ from .pipeline.batch import StepBatch
 from .pipeline.ledger import RolloutProgress
 from .pipeline.planner import check_step_capacity
 from .pipeline.stream import StepStream
+from .rollout.core_sharing import CoreSharing
 from .rollout.schedule import GroupSchedule
 from .session import RolloutSession, SessionOptions
-from .threads import trainer_threads_for
+from .threads import borrow_idle_cores, trainer_threads_for
 from .tooling import ConversationSpec, resolve_environment_factory, resolve_tools
 from .weights.factory import (
     changed_scope,
@@ -125,8 +126,9 @@ class GRPODataModule(pl.LightningDataModule):
         generator_threads: torch threads of the embedded generator (None: torch's default).
         trainer_threads: torch threads the trainer trains with during `fit` (restored afterwards). `"auto"`: on a CPU
             with the embedded generator and one process, the cores the generator does not use, so the two do not
-            oversubscribe the CPU (see `lightning_grpo.threads`); a number: that many; None: leave torch's setting
-            alone.
+            oversubscribe the CPU, and each side runs on the other's cores too while the other is idle (the generator
+            paced or out of work, the trainer waiting for rollouts; see `lightning_grpo.threads`); a number: that
+            many, always; None: leave torch's setting alone.
         val_batch_size: held-out prompts per validation batch.
         loop_cls: a `GRPORolloutLoop` subclass (or its import path) for the rollout child to run instead, e.g. one
             that overrides `_trainer_score_payload` to send trainer scorers what they need beyond the samples
@@ -239,6 +241,8 @@ class GRPODataModule(pl.LightningDataModule):
         self._session: RolloutSession | None = None
         self._stream: StepStream | None = None
         self._threads_before: int | None = None
+        self._core_sharing: CoreSharing | None = None
+        self._core_hooks: list[Any] = []
         self._val_pool: Any = None
 
     # -- setup (every rank; no processes) ---------------------------------------------------------------------------
@@ -422,11 +426,26 @@ class GRPODataModule(pl.LightningDataModule):
             return
         self._threads_before = current
         torch.set_num_threads(threads)
+        if hp.trainer_threads == "auto":  # a number asked for is used as given, never lent or borrowed
+            self._core_sharing = CoreSharing(trainer_threads=threads, generator_threads=hp.generator_threads)
         log.info(
-            "Training with %d torch threads (was %d) beside the generator's %s.", threads, current, hp.generator_threads
+            "Training with %d torch threads (was %d) beside the generator's %s%s.",
+            threads,
+            current,
+            hp.generator_threads,
+            ", each side borrowing the other's while it is idle" if self._core_sharing else "",
         )
 
+    @property
+    def core_sharing(self) -> CoreSharing | None:
+        """During a fit with `trainer_threads="auto"` on a shared CPU: the flags by which the trainer and the embedded
+        generator run on each other's cores while the other is idle; otherwise None."""
+        return self._core_sharing
+
     def _restore_threads(self) -> None:
+        for handle in self._core_hooks:
+            handle.remove()
+        self._core_hooks, self._core_sharing = [], None
         before, self._threads_before = self._threads_before, None
         if before is not None:
             torch.set_num_threads(before)
@@ -497,6 +516,8 @@ class GRPODataModule(pl.LightningDataModule):
         module = self._policy_source()
         self.weight_sync.push(module.policy, wrapped=self.trainer.model)
         source = self._start_session(module) if self.trainer.is_global_zero else None
+        if self._core_sharing is not None and not self._core_hooks:
+            self._core_hooks = borrow_idle_cores(module.policy, self._core_sharing)
         self._stream = StepStream(
             source,
             rank=self.trainer.global_rank,
@@ -552,6 +573,7 @@ class GRPODataModule(pl.LightningDataModule):
             groups_per_step=self.groups_per_step(),
             lora_name=getattr(self.weight_sync.transfer, "lora_name", None),
             conversation=self.conversation,
+            core_sharing=self._core_sharing,
         )
         self._session = RolloutSession.start(
             options,

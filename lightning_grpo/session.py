@@ -34,6 +34,7 @@ class SessionOptions:
     groups_per_step: int
     conversation: ConversationSpec  # prompt rendering, tools and environments
     lora_name: str | None = None  # the served adapter's name prefix (adapter-only vLLM sync; TRL's loop argument)
+    core_sharing: Any = None  # the trainer's and the embedded generator's `CoreSharing` (trainer_threads="auto")
 
 
 class RolloutSession:
@@ -87,6 +88,7 @@ class RolloutSession:
             mask_truncated_completions=hp.mask_truncated_completions,
             heartbeat_timeout=hp.heartbeat_timeout,
             metrics=metrics,
+            core_sharing=options.core_sharing,
         )
         return cls(worker, pipeline, metrics)
 
@@ -142,6 +144,7 @@ def _make_worker(options: SessionOptions, progress: RolloutProgress, *, generato
         groups_per_step=options.groups_per_step,
         max_staleness=hp.max_staleness,
         lora_name=options.lora_name,
+        core_sharing=options.core_sharing,
         **options.conversation.loop_options(),
     )
     if loop_options.keys() != LOOP_OPTION_NAMES:  # the two lists are kept together on purpose
@@ -186,6 +189,7 @@ LOOP_OPTION_NAMES = frozenset(
         "groups_per_step",
         "max_staleness",
         "lora_name",
+        "core_sharing",
         "tools",
         "environment_factory",
         "max_tool_calling_iterations",

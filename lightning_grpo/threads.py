@@ -2,13 +2,17 @@
 
 On a CPU-only machine the rollout child generates while the trainer trains. With torch's default (one thread per
 core) in the trainer plus the generator's threads, the two oversubscribe the cores and both slow down, so
-`trainer_threads="auto"` gives the trainer the cores the generator leaves (`benchmarks/async_overlap.py` measures it).
+`trainer_threads="auto"` gives the trainer the cores the generator leaves (`benchmarks/async_overlap.py` measures it),
+and each side borrows the other's cores while the other is idle (`rollout/core_sharing.py`; the trainer switches at
+each decoder layer, forward and backward, through the hooks `borrow_idle_cores` installs).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
+
+import torch
 
 TrainerThreads = int | Literal["auto"] | None
 
@@ -47,3 +51,38 @@ def trainer_threads_for(
         return None
     threads = max(1, available_cores() - generator_threads)
     return threads if threads < current else None
+
+
+def borrow_idle_cores(model: torch.nn.Module, sharing: Any) -> list[Any]:
+    """Hooks on `model`'s decoder layers that set the trainer's threads by `sharing.trainer_compute()` before each
+    layer's forward and before its backward; returns their handles (`handle.remove()` takes them off).
+
+    Decoder layers are the modules whose class name ends in "DecoderLayer" (every Hugging Face decoder); a model
+    without any gets the hooks on itself, switching once per forward and once per backward.
+    """
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")] or [model]
+
+    def before_forward(module: torch.nn.Module, args: Any) -> None:
+        sharing.trainer_compute()
+
+    def before_backward(grad: torch.Tensor) -> None:
+        sharing.trainer_compute()
+
+    def after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+        hidden = _first_tensor(output)
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(before_backward)  # runs when this layer's backward is about to start
+
+    handles = []
+    for layer in layers:
+        handles.append(layer.register_forward_pre_hook(before_forward))
+        handles.append(layer.register_forward_hook(after_forward))
+    return handles
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return getattr(output, "last_hidden_state", None)

@@ -51,9 +51,12 @@ def test_fit_trains_with_the_threads_asked_for_and_restores_torchs_setting(no_le
 
     class RecordThreads(pl.Callback):
         seen: list[int] = []
+        sharing: list = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.seen.append(torch.get_num_threads())
+            if not self.sharing:
+                self.sharing.append(trainer.datamodule.core_sharing)
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -62,6 +65,41 @@ def test_fit_trains_with_the_threads_asked_for_and_restores_torchs_setting(no_le
         trainer = cpu_trainer(callbacks=[recorder])
         trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=tiny_datamodule(4, trainer_threads=1))
         assert recorder.seen and set(recorder.seen) == {1}
+        assert recorder.sharing == [None]  # a number asked for is never lent or borrowed
         assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.timeout(240)
+def test_auto_fit_lends_cores_through_hooks_on_the_policys_layers_and_takes_them_off_after(
+    monkeypatch, no_leaked_processes
+):
+    from tiny_fits import cpu_trainer, tiny_datamodule
+
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+
+    class RecordSharing(pl.Callback):
+        def __init__(self):
+            self.sharing, self.in_layers = None, set()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.sharing = trainer.datamodule.core_sharing
+            layer = next(m for m in pl_module.policy.modules() if type(m).__name__.endswith("DecoderLayer"))
+            layer.register_forward_pre_hook(lambda module, args: self.in_layers.add(torch.get_num_threads()))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        recorder = RecordSharing()
+        datamodule = tiny_datamodule(4, trainer_threads="auto")
+        module = GRPOModule("tiny-random", learning_rate=1e-3)
+        cpu_trainer(callbacks=[recorder]).fit(module, datamodule=datamodule)
+        sharing = recorder.sharing
+        assert (sharing.trainer_threads, sharing.generator_threads) == (1, 1)
+        assert recorder.in_layers and recorder.in_layers <= {1, 2}  # its own core, or both while the generator idles
+        assert datamodule.core_sharing is None and torch.get_num_threads() == 2
+        hooked = [m for m in module.policy.modules() if type(m).__name__.endswith("DecoderLayer")]
+        assert all(len(m._forward_hooks) == 0 for m in hooked)  # ours are off (the recorder's were pre-hooks)
     finally:
         torch.set_num_threads(before)

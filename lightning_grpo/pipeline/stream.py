@@ -7,6 +7,7 @@ stop item, which it keeps for `RolloutStopCallback` instead of handing it to tra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +51,7 @@ class RolloutPipeline:
         mask_truncated_completions: drop fully truncated groups, mask truncated samples (`SampleFilterQueue`).
         heartbeat_timeout: seconds without a heartbeat after which the rollout child counts as hung.
         metrics: the sink the pipeline's stages append to.
+        core_sharing: a `CoreSharing` to tell the generator while the trainer waits for rollouts, or None.
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class RolloutPipeline:
         mask_truncated_completions: bool,
         heartbeat_timeout: float,
         metrics: dict[str, list],
+        core_sharing: Any = None,
     ) -> None:
         self.worker = worker
         self.progress = progress
@@ -82,6 +85,7 @@ class RolloutPipeline:
         )
         self.planner = StepPlanner(filtered, progress=progress, metrics=metrics, **planner_kwargs)
         self.collator = collator
+        self._core_sharing = core_sharing
 
     def _poll(self) -> None:
         """While waiting for rollouts: fail on a dead or hung child, and tell it how far the trainer got (pacing)."""
@@ -97,12 +101,17 @@ class RolloutPipeline:
         gauges = {key: reduce_metric(key, self.metrics.pop(key)) for key in STEP_GAUGES if self.metrics.get(key)}
         return {**gauges, "perf/rollout_wait_s": waited_s}
 
+    def _waiting(self) -> contextlib.AbstractContextManager:
+        """While the trainer waits for the next step's rollouts, its cores are the generator's (`CoreSharing`)."""
+        return self._core_sharing.trainer_waiting() if self._core_sharing is not None else contextlib.nullcontext()
+
     def __iter__(self) -> Iterator[list[StepBatch]]:
         items = iter(StopAwareDataset(self.planner))
         while True:
             started = time.monotonic()
             self.report_consumed()  # the previous step trained and its weights were pushed by now
-            item = next(items)
+            with self._waiting():
+                item = next(items)
             batches = self.collator(item)
             if not batches[0].stop:
                 batches[0].metrics.update(self._step_gauges(waited_s=time.monotonic() - started))

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from ..weights.shared_memory import SharedMemoryWeightReceiver
+    from .core_sharing import CoreSharing
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,9 @@ class EmbeddedGenerator:
         model_version: version of the weights the model starts with (ignored until a sync, for a config-only model).
         seed: seeds the sampling of requests that pass no seed of their own; None draws a random seed.
         num_threads: if set, `torch.set_num_threads(num_threads)`, which applies to the whole process.
+        core_sharing: the trainer's `CoreSharing` (the rollout child gets it from the data module with
+            `trainer_threads="auto"`): the generator then marks itself idle while it waits for requests and, before
+            each decode step, runs on its own threads plus the trainer's while the trainer waits for rollouts.
 
     Raises:
         ValueError: a sampling option out of range (all problems in one message), a model without weights and no
@@ -160,6 +164,7 @@ class EmbeddedGenerator:
         model_version: int = 0,
         seed: int | None = None,
         num_threads: int | None = None,
+        core_sharing: CoreSharing | None = None,
     ) -> None:
         _check_options(
             temperature=temperature,
@@ -207,6 +212,7 @@ class EmbeddedGenerator:
             packed=packing_available(self._model.dtype),
         )
         self._weight_syncs = 0
+        self._cores = core_sharing
         self._staged: list[_Request] = []
         self._queue: deque[_Request] = deque()
         self._cond = threading.Condition()
@@ -305,6 +311,8 @@ class EmbeddedGenerator:
         while True:
             with self._cond:
                 while not (self._queue or waiting or self._batch.rows or self._closed):
+                    if self._cores is not None:
+                        self._cores.generator_idle()
                     self._cond.wait()
                 if self._closed:
                     break
@@ -317,6 +325,8 @@ class EmbeddedGenerator:
                 continue
             try:
                 self._apply_weights()
+                if self._cores is not None:
+                    self._cores.generator_busy()
                 finished = self._batch.step(waiting, self._applied_version)
             except BaseException as error:  # noqa: BLE001 -- handed to every caller in the batch
                 for request in self._batch.abort():
@@ -383,9 +393,10 @@ class GeneratorSpec:
             check_supported(self.policy.config)
         self.options = options
 
-    def build(self) -> EmbeddedGenerator:
-        """Load the policy and start the generator's worker thread."""
-        return EmbeddedGenerator(self.policy, **self.options)
+    def build(self, core_sharing: CoreSharing | None = None) -> EmbeddedGenerator:
+        """Load the policy and start the generator's worker thread (`core_sharing`: see `EmbeddedGenerator`)."""
+        options = self.options if core_sharing is None else {**self.options, "core_sharing": core_sharing}
+        return EmbeddedGenerator(self.policy, **options)
 
     def __repr__(self) -> str:
         options = ", ".join(f"{key}={value!r}" for key, value in self.options.items())

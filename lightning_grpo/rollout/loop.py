@@ -122,6 +122,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         trainer_scored: leave advantages pending for trainer scorers.
         reward_timeout: wall-clock seconds one reward call may take before it scores NaN.
         generator: `None` for TRL's vLLM HTTP path, or an embedded-generator spec (see `generation.py`).
+        core_sharing: the trainer's `CoreSharing`, handed to the embedded generator (see `core_sharing.py`).
         stop: stop strings: a completion ends when its text contains one, as at an EOS id (sent to vLLM as `stop`;
             the embedded generator gets them from its spec).
         epochs: passes over the prompts in the group schedule.
@@ -154,6 +155,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         trainer_scored: bool = False,
         reward_timeout: float = 60.0,
         generator: Any = None,
+        core_sharing: Any = None,
         stop: Iterable[str] | None = None,
         epochs: int = 1,
         seed: int = 0,
@@ -204,7 +206,9 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         self._admitted = 0
         self._pool = self._start_reward_pool(reward_num_workers)
         self._pool_stats_pushed: dict[str, float] = {}
-        self._generator = generator.build() if generator is not None else None
+        self._generator = None
+        if generator is not None:
+            self._generator = generator.build(core_sharing) if core_sharing is not None else generator.build()
 
     # -- set-up ------------------------------------------------------------------------------------------------------
 
