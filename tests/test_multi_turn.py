@@ -173,11 +173,13 @@ def test_raising_hanging_and_unprintable_tools_answer_with_errors_and_failing_en
     assert metrics["env/reward_errors_total"] == 2 and metrics["env/reset_errors_total"] == 2
 
     looping = [s for s in by_env["loop"] if s.metrics.get("tools/call_frequency")]
-    assert looping
-    for sample in looping:  # call, "again", call: refused, one tool round being the limit
-        asked = [m for m in sample.completion if m.get("tool_calls")]
-        assert len(asked) == 2 and tool_results_of(sample) == ["again"]
-    assert metrics["tools/loop_exhausted_frac"] >= len(looping)  # the rate's numerator: one per exhausted rollout
+    asked = [len([m for m in s.completion if m.get("tool_calls")]) for s in looping]
+    # Call, "again", call: refused, one tool round being the limit. The policy is sampled: after "again" it usually
+    # calls once more, but may answer instead; never a second tool round.
+    assert 2 in asked and set(asked) <= {1, 2}
+    assert all(tool_results_of(sample) == ["again"] for sample in looping)
+    exhausted = asked.count(2)
+    assert metrics["tools/loop_exhausted_frac"] >= exhausted  # the rate's numerator: one per exhausted rollout
     for name in ("raise", "hang", "unprintable", "loop"):
         scored = np.array([s.metrics[f"rewards/{factories[name].__name__}"] for s in by_env[name]])
         assert not np.isnan(scored).any()  # a tool fault is the policy's problem to solve: still scored
