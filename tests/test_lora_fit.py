@@ -29,7 +29,7 @@ from lightning_grpo.policy import CHECKPOINT_KEY
 from lightning_grpo.rollout.sampling import teacher_forced_logprobs
 
 PROMPTS = 4  # one group per optimizer step: 4 steps
-# One worker runs this module (scripts/test.sh uses pytest-xdist), so its tests share one fit.
+# One worker runs this module (under pytest-xdist, `PYTEST_WORKERS=2 ./scripts/test.sh`), so its tests share one fit.
 pytestmark = pytest.mark.xdist_group("lora_fit")
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
 IDS = [2, 40, 41, 42, 3, 2, 50, 51, 52, 53, 54]

