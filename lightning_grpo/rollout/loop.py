@@ -121,7 +121,8 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         reward_num_workers: processes in the reward pool; 0 runs synchronous rewards in threads.
         trainer_scored: leave advantages pending for trainer scorers.
         reward_timeout: wall-clock seconds one reward call may take before it scores NaN.
-        generator: `None` for TRL's vLLM HTTP path, or an embedded-generator spec (see `generation.py`).
+        generator: `None` for TRL's vLLM HTTP path, or a `GeneratorSpec` (see `generator.py`; the worker makes one
+            of "embedded").
         core_sharing: the trainer's `CoreSharing`, handed to the embedded generator (see `core_sharing.py`).
         stop: stop strings: a completion ends when its text contains one, as at an EOS id (sent to vLLM as `stop`;
             the embedded generator gets them from its spec).
@@ -206,9 +207,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         self._admitted = 0
         self._pool = self._start_reward_pool(reward_num_workers)
         self._pool_stats_pushed: dict[str, float] = {}
-        self._generator = None
-        if generator is not None:
-            self._generator = generator.build(core_sharing) if core_sharing is not None else generator.build()
+        self._generator = generator.build(core_sharing) if generator is not None else None
 
     # -- set-up ------------------------------------------------------------------------------------------------------
 
