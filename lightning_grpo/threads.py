@@ -10,9 +10,12 @@ each decoder layer, forward and backward, through the hooks `borrow_idle_cores` 
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from .rollout.core_sharing import CoreSharing
 
 TrainerThreads = int | Literal["auto"] | None
 
@@ -53,7 +56,7 @@ def trainer_threads_for(
     return threads if threads < current else None
 
 
-def borrow_idle_cores(model: torch.nn.Module, sharing: Any) -> list[Any]:
+def borrow_idle_cores(model: torch.nn.Module, sharing: CoreSharing) -> list[Any]:
     """Hooks on `model`'s decoder layers that set the trainer's threads by `sharing.trainer_compute()` before each
     layer's forward and before its backward; returns their handles (`handle.remove()` takes them off).
 
@@ -81,8 +84,11 @@ def borrow_idle_cores(model: torch.nn.Module, sharing: Any) -> list[Any]:
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
+    """A module's main output: the tensor itself, or the first of a tuple or a transformers `ModelOutput`."""
+    if hasattr(output, "to_tuple"):  # a ModelOutput (a model without decoder layers hooked on itself)
+        output = output.to_tuple()
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
-    return getattr(output, "last_hidden_state", None)
+    return None

@@ -94,6 +94,39 @@ def test_the_trainer_switches_threads_before_every_decoder_layer_forward_and_bac
     assert seen["forward"] == [2] * len(layers)  # without the hooks the threads are left alone
 
 
+class CausalOutput(torch.nn.Module):
+    """No decoder layers; returns a transformers `ModelOutput`, as a whole causal LM does."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        from transformers.modeling_outputs import CausalLMOutput
+
+        return CausalLMOutput(logits=self.linear(x))
+
+
+@pytest.mark.parametrize("model", [torch.nn.Linear(4, 4), CausalOutput()], ids=["tensor", "model_output"])
+def test_a_model_without_decoder_layers_switches_once_per_forward_and_once_per_backward(restore_threads, model):
+    sharing = CoreSharing(trainer_threads=1, generator_threads=1)
+    borrow_idle_cores(model, sharing)
+    seen = []
+
+    def record_backward(module, args, output):  # registered after borrow_idle_cores's, so it runs after it
+        logits = output if isinstance(output, torch.Tensor) else output.logits
+        logits.register_hook(lambda grad: seen.append(torch.get_num_threads()))
+
+    model.register_forward_hook(record_backward)
+    sharing.generator_busy()
+    torch.set_num_threads(2)
+    output = model(torch.ones(2, 4))
+    assert torch.get_num_threads() == 1  # switched before the forward
+    sharing.generator_idle()
+    (output if isinstance(output, torch.Tensor) else output.logits).sum().backward()
+    assert seen == [2]  # and before the backward
+
+
 @pytest.mark.timeout(60)
 def test_the_generator_is_idle_between_requests_and_borrows_the_waiting_trainers_core(restore_threads):
     sharing = CoreSharing(trainer_threads=1, generator_threads=1)
