@@ -20,6 +20,7 @@ import torch.distributed as dist
 from .attention import tree_model_kwargs, use_tree_attention
 from .loss_options import TOKEN_MEAN_LOSSES, LossOptions
 from .loss_stats import LossStats
+from .selected_logprobs import selected_logprobs
 
 __all__ = [
     "LossContext",
@@ -52,7 +53,8 @@ def packed_logprobs(
     generator sampled from: logits divided by `temperature`, then truncated to the tokens at least `min_p` times as
     likely as the most likely one, the `top_k` most likely and the smallest set reaching `top_p` (`lightning_grpo.rollout.sampling.process_logits`, vLLM's processed logprobs)
     and renormalised; the sampled token always stays in the set, so an update that pushes it out of the trainer's
-    truncation gives it a small log-probability rather than minus infinity.
+    truncation gives it a small log-probability rather than minus infinity. Without truncation and with a detached
+    entropy, `lightning_grpo.selected_logprobs` computes both a few rows at a time (the same values and gradient).
 
     Args:
         model: a causal LM that takes `logits_to_keep` (transformers' decoder models do), on the batch's device.
@@ -72,9 +74,14 @@ def packed_logprobs(
     use_tree_attention(_unwrap(model))
     token_index = micro_batch["token_index"]
     logits = model(**tree_model_kwargs(micro_batch), logits_to_keep=token_index, use_cache=False).logits[0]
-    logits = logits.float() / temperature  # (M, V)
     labels = micro_batch["shift_labels"][token_index]
-    if top_k > 0 or top_p < 1.0 or min_p:
+    truncated = top_k > 0 or top_p < 1.0 or bool(min_p)
+    if not truncated and not entropy_grad:
+        # the full distribution with a detached entropy: chunked, without the (M, V) intermediates (float32 out, as
+        # below, also for a float64 model)
+        return selected_logprobs(logits.float() if logits.dtype == torch.float64 else logits, labels, temperature)
+    logits = logits.float() / temperature  # (M, V)
+    if truncated:
         logits = _truncated(logits, labels, top_k, top_p, min_p)
     log_norm = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(1, labels[:, None]).squeeze(1) - log_norm
