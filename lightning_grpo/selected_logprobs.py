@@ -8,13 +8,15 @@ from torch.autograd.function import once_differentiable
 
 __all__ = ["CHUNK_ROWS", "selected_logprobs"]
 
-# 16 rows of a 49k vocabulary in fp32 are ~3 MB: a chunk's few passes are served from the cache rather than from
-# memory, and the chunks are few enough that their Python overhead does not count
+# 16 rows of a 49k vocabulary in fp32 are ~3 MB: a chunk's few passes are served from a CPU's cache rather than from
+# memory, and the chunks are few enough that their Python overhead does not count. On an accelerator each chunk costs
+# a few kernel launches instead, so the chunks are large there.
 CHUNK_ROWS = 16
+_ACCELERATOR_CHUNK_ROWS = 1024
 
 
 def selected_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *, chunk_rows: int = CHUNK_ROWS
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *, chunk_rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(logprobs, entropy)` of `softmax(logits / temperature)`: each row's label and the whole distribution.
 
@@ -32,7 +34,7 @@ def selected_logprobs(
         logits: `(M, V)` floating point, with or without grad.
         labels: `(M,)` integer token ids in `[0, V)`.
         temperature: divides the logits (positive).
-        chunk_rows: rows per chunk.
+        chunk_rows: rows per chunk; None: `CHUNK_ROWS` on a CPU, 1024 on an accelerator.
 
     Returns:
         `(logprobs, entropy)`, each `(M,)` float32 (float64 for float64 logits); `entropy` never requires grad.
@@ -41,6 +43,8 @@ def selected_logprobs(
         raise ValueError(f"`temperature={temperature}` must be positive (it divides the logits).")
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise ValueError(f"expected logits (M, V) and labels (M,), got {tuple(logits.shape)} and {tuple(labels.shape)}")
+    if chunk_rows is None:
+        chunk_rows = CHUNK_ROWS if logits.device.type == "cpu" else _ACCELERATOR_CHUNK_ROWS
     if chunk_rows < 1:
         raise ValueError(f"`chunk_rows={chunk_rows}` must be at least 1.")
     if torch.is_grad_enabled() and logits.requires_grad:
