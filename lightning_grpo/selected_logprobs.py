@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["CHUNK_ROWS", "selected_logprobs"]
+__all__ = ["CHUNK_ELEMENTS", "selected_logprobs"]
 
-# 16 rows of a 49k vocabulary in fp32 are ~3 MB: a chunk's few passes are served from a CPU's cache rather than from
-# memory, and the chunks are few enough that their Python overhead does not count. On an accelerator each chunk costs
-# a few kernel launches instead, so the chunks are large there.
-CHUNK_ROWS = 16
+# A chunk of ~4 MB in fp32 (21 rows of a 49k vocabulary): its few passes are served from a CPU's cache rather than
+# from memory, and the chunks are few enough that their Python overhead does not count (a small vocabulary gets few,
+# large chunks). On an accelerator each chunk costs a few kernel launches instead, so the chunks are large there.
+CHUNK_ELEMENTS = 1 << 20
 _ACCELERATOR_CHUNK_ROWS = 1024
 
 
@@ -34,7 +34,7 @@ def selected_logprobs(
         logits: `(M, V)` floating point, with or without grad.
         labels: `(M,)` integer token ids in `[0, V)`.
         temperature: divides the logits (positive).
-        chunk_rows: rows per chunk; None: `CHUNK_ROWS` on a CPU, 1024 on an accelerator.
+        chunk_rows: rows per chunk; None: `CHUNK_ELEMENTS // V` (at least 1) on a CPU, 1024 on an accelerator.
 
     Returns:
         `(logprobs, entropy)`, each `(M,)` float32 (float64 for float64 logits); `entropy` never requires grad.
@@ -44,7 +44,8 @@ def selected_logprobs(
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise ValueError(f"expected logits (M, V) and labels (M,), got {tuple(logits.shape)} and {tuple(labels.shape)}")
     if chunk_rows is None:
-        chunk_rows = CHUNK_ROWS if logits.device.type == "cpu" else _ACCELERATOR_CHUNK_ROWS
+        cpu = logits.device.type == "cpu"
+        chunk_rows = max(1, CHUNK_ELEMENTS // max(1, logits.shape[-1])) if cpu else _ACCELERATOR_CHUNK_ROWS
     if chunk_rows < 1:
         raise ValueError(f"`chunk_rows={chunk_rows}` must be at least 1.")
     if torch.is_grad_enabled() and logits.requires_grad:
