@@ -33,6 +33,11 @@ reward scoring, the rest of `training_step` (the loss's forward and backward, to
     python benchmarks/learning.py                  # the full race (SmolLM2; about 50-70 minutes on 2 quiet cores)
     python benchmarks/learning.py --model tiny-random --train-size 8 --val-size 8     # a check of the plumbing
     python benchmarks/learning.py --sides ours --reuse runs/learning/<earlier>        # ours again, same TRL run
+    python benchmarks/learning.py --summarize runs/learning/<a> runs/learning/<b> --out docs/    # several runs
+
+How many steps a run needs to reach 0.9 varies from run to run (sampling, and for ours the asynchronous schedule's
+timing), so one race is one draw: `--summarize` reads several runs' `race.json` and prints each run's times and
+ratios, their median, and writes `learning_race.json` and `learning_race.png` (every run's curve) under `--out`.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import functools
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -404,6 +410,71 @@ def report(sides: dict[str, dict[str, Any]], out: Path) -> None:
     print(f"\nwrote {out / 'race.json'} and {out / 'race.png'}")
 
 
+def summarize(folders: list[Path], out: Path) -> None:
+    """Each run's time to every threshold and its ratio to its TRL run, the medians, and a plot of every curve."""
+    runs = [(folder, json.loads((folder / "race.json").read_text())) for folder in folders]
+    print("| run | steps | s per step | " + " | ".join(f"ours / TRL s to {t} (steps)" for t in THRESHOLDS) + " |")
+    print("|---|---|---|" + "---|" * len(THRESHOLDS))
+    ratios: dict[float, list[float]] = {t: [] for t in THRESHOLDS}
+    for folder, sides in runs:
+        ours, trl = sides["ours"], sides["trl"]
+        cells = []
+        for threshold in THRESHOLDS:
+            mine, theirs = first_reaching(ours["curve"], threshold), first_reaching(trl["curve"], threshold)
+            if mine is None or theirs is None:
+                cells.append(f"{_fmt(mine)} / {_fmt(theirs)}")
+                continue
+            ratios[threshold].append(mine / theirs)
+            step = next(p["step"] for p in ours["curve"] if p["accuracy"] >= threshold)
+            cells.append(f"{mine:.0f} / {theirs:.0f} = {mine / theirs:.2f} ({step})")
+        per_step = ours["training_s"] / ours["optimizer_steps"]
+        print(f"| {folder.name} | {ours['optimizer_steps']} | {per_step:.1f} | " + " | ".join(cells) + " |")
+    medians = {t: statistics.median(r) for t, r in ratios.items() if r}
+    print("median ours / TRL: " + ", ".join(f"to {t}: {m:.2f}" for t, m in medians.items()))
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"runs": {str(folder): sides for folder, sides in runs}, "median_ratio": medians}
+    (out / "learning_race.json").write_text(json.dumps(summary, indent=2))
+    plot_runs(runs, out / "learning_race.png")
+    print(f"wrote {out / 'learning_race.json'} and {out / 'learning_race.png'}")
+
+
+def plot_runs(runs: list[tuple[Path, dict[str, Any]]], path: Path) -> None:
+    """Every run's curve of ours, and each distinct TRL curve once."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    drawn_trl: list[list] = []
+    for index, (folder, sides) in enumerate(runs):
+        curve = sides["ours"]["curve"]
+        label = f"lightning_grpo, run {index + 1} ({folder.name})"
+        ax.plot([p["training_s"] for p in curve], [p["accuracy"] for p in curve], "o-", color=f"C{index}", label=label)
+        trl = sides["trl"]["curve"]
+        if trl not in drawn_trl:
+            drawn_trl.append(trl)
+            xs, ys = [p["training_s"] for p in trl], [p["accuracy"] for p in trl]
+            ax.plot(xs, ys, "s--", color="black", label="TRL GRPOTrainer (sync, HF generate)")
+    _finish(fig, ax, path, fontsize=8)
+
+
+def _finish(fig: Any, ax: Any, path: Path, **legend: Any) -> None:
+    """The thresholds, axes and legend of a race plot; saves and closes it."""
+    import matplotlib.pyplot as plt
+
+    for threshold in THRESHOLDS:
+        ax.axhline(threshold, color="grey", lw=0.6, ls="--")
+    ax.set_xlabel("training seconds")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", **legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _fmt(seconds: float | None) -> str:
     return "never" if seconds is None else f"{seconds:.0f}"
 
@@ -419,16 +490,7 @@ def plot(sides: dict[str, dict[str, Any]], path: Path) -> None:
     for name, side in sides.items():
         curve = side["curve"]
         ax.plot([p["training_s"] for p in curve], [p["accuracy"] for p in curve], "o-", label=labels[name])
-    for threshold in THRESHOLDS:
-        ax.axhline(threshold, color="grey", lw=0.6, ls="--")
-    ax.set_xlabel("training seconds")
-    ax.set_ylabel("held-out greedy accuracy")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(fig, ax, path)
 
 
 # -- main -------------------------------------------------------------------------------------------------------------
@@ -451,8 +513,14 @@ def main() -> None:
         help="an earlier run's output folder: the sides not in --sides are taken from its race.json, as trained and "
         "scored there (e.g. rerun ours after a change against the same TRL run)",
     )
+    parser.add_argument(
+        "--summarize", nargs="+", default=None, help="earlier runs' output folders: report them side by side"
+    )
     parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)  # one side, in its own process
     args = parser.parse_args()
+    if args.summarize:
+        summarize([Path(folder) for folder in args.summarize], Path(args.out or "."))
+        return
     args.reward = args.reward or (TINY_REWARD if args.model.startswith("tiny") else "lightning_grpo.rewards.accuracy")
     out = Path(args.out or Path("runs") / "learning" / time.strftime("%Y%m%d-%H%M%S"))
     if args.side:

@@ -158,6 +158,9 @@ def test_interrupting_fit_stops_the_rollout_child_while_the_process_lives_on(no_
     datamodule = tiny_datamodule(8)
     trainer = cpu_trainer(callbacks=[InterruptAtSecondStep()])
     handler = signal.getsignal(signal.SIGINT)
+    # Python's own handler, as in a notebook or a terminal: a suite started in the background by a non-interactive
+    # shell inherits SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(SystemExit):  # Lightning exits after its graceful shutdown
             trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)

@@ -106,9 +106,11 @@ def test_a_raw_text_dataset_trains_without_a_chat_template_and_validates_pass_at
     held_out = Dataset.from_dict({"prompt": [f"Count {i}:" for i in range(3)], "split": ["val"] * 3})
     reward = functools.partial(scripted_reward, log_dir=str(tmp_path))
     functools.update_wrapper(reward, scripted_reward)
+    # 8 completions a group: with scripted_reward's NaN, 1 or 0, a group of 4 gets no learning signal 38% of the time
+    # and all 4 groups (a stall) 2%; with 8, 8% and 4e-5
     datamodule = tiny_datamodule(
         4, dataset=train, tokenizer=str(tmp_path / "tokenizer"), reward_funcs=[reward], val_dataset=held_out,
-        val_size=3, val_batch_size=2,
+        val_size=3, val_batch_size=2, num_generations=8, samples_per_row=8,
     )  # fmt: skip
     module = GRPOModule("tiny-random", learning_rate=1e-3, num_generations_eval=4, val_temperature=1.0)
     samples = TrainedPrompts()

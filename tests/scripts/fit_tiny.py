@@ -249,4 +249,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # As in a terminal: Ctrl-C raises KeyboardInterrupt. A process that a non-interactive shell started in the
+    # background (`cmd &`, as CI runners and nohup'd suites do) inherits SIGINT ignored, and Python then keeps it so.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     main()
