@@ -51,14 +51,18 @@ def selected_logprobs(
     if torch.is_grad_enabled() and logits.requires_grad:
         logprobs, entropy = _SelectedLogprobs.apply(logits, labels, float(temperature), chunk_rows)
         return logprobs, entropy
-    logprobs, entropy, _ = _forward(logits.detach(), labels, float(temperature), chunk_rows)
+    with torch.autocast(logits.device.type, enabled=False):
+        logprobs, entropy, _ = _forward(logits.detach(), labels, float(temperature), chunk_rows)
     return logprobs, entropy
 
 
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, chunk_rows):
-        logprobs, entropy, log_norm = _forward(logits, labels, temperature, chunk_rows)
+        # under autocast (`precision="bf16-mixed"`) the entropy's batched product would run in bf16: the arithmetic
+        # stays in the compute dtype instead, as without autocast
+        with torch.autocast(logits.device.type, enabled=False):
+            logprobs, entropy, log_norm = _forward(logits, labels, temperature, chunk_rows)
         ctx.save_for_backward(logits, labels, log_norm)
         ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
         ctx.mark_non_differentiable(entropy)
@@ -68,7 +72,9 @@ class _SelectedLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_logprobs, _grad_entropy):
         logits, labels, log_norm = ctx.saved_tensors
-        return _backward(logits, labels, log_norm, grad_logprobs, ctx.temperature, ctx.chunk_rows), None, None, None
+        with torch.autocast(logits.device.type, enabled=False):
+            grad = _backward(logits, labels, log_norm, grad_logprobs, ctx.temperature, ctx.chunk_rows)
+        return grad, None, None, None
 
 
 def _compute_dtype(logits: torch.Tensor) -> torch.dtype:

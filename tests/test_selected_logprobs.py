@@ -115,6 +115,17 @@ def test_without_grad_and_in_inference_mode_the_values_are_the_same():
         assert_entropy_close(entropy, expected[1], logits / 0.7)
 
 
+def test_under_autocast_the_arithmetic_stays_in_float32():
+    """Lightning's `precision="bf16-mixed"` runs the loss under CPU autocast, which would run the entropy's batched
+    product in bf16: the function's arithmetic is the same with and without it."""
+    logits, labels, upstream = random_case(37, torch.float32, seed=5)
+    expected = values_and_grad(lambda x, y, t: selected_logprobs(x, y, t, chunk_rows=16), logits, labels, upstream, 0.7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = values_and_grad(lambda x, y, t: selected_logprobs(x, y, t, chunk_rows=16), logits, labels, upstream, 0.7)
+    for value, reference in zip(got, expected, strict=True):
+        assert value.dtype == reference.dtype and torch.equal(value, reference)
+
+
 def test_a_minus_infinite_logit_has_probability_zero_and_no_entropy_term():
     logits, labels, upstream = random_case(6, torch.float32, seed=3)
     logits[1, 5] = logits[4, :10] = float("-inf")
