@@ -3,6 +3,8 @@ rows at a time: the memory-lean form of `log_softmax(logits.float() / temperatur
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -51,18 +53,14 @@ def selected_logprobs(
     if torch.is_grad_enabled() and logits.requires_grad:
         logprobs, entropy = _SelectedLogprobs.apply(logits, labels, float(temperature), chunk_rows)
         return logprobs, entropy
-    with torch.autocast(logits.device.type, enabled=False):
-        logprobs, entropy, _ = _forward(logits.detach(), labels, float(temperature), chunk_rows)
+    logprobs, entropy, _ = _forward(logits.detach(), labels, float(temperature), chunk_rows)
     return logprobs, entropy
 
 
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, chunk_rows):
-        # under autocast (`precision="bf16-mixed"`) the entropy's batched product would run in bf16: the arithmetic
-        # stays in the compute dtype instead, as without autocast
-        with torch.autocast(logits.device.type, enabled=False):
-            logprobs, entropy, log_norm = _forward(logits, labels, temperature, chunk_rows)
+        logprobs, entropy, log_norm = _forward(logits, labels, temperature, chunk_rows)
         ctx.save_for_backward(logits, labels, log_norm)
         ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
         ctx.mark_non_differentiable(entropy)
@@ -72,9 +70,7 @@ class _SelectedLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_logprobs, _grad_entropy):
         logits, labels, log_norm = ctx.saved_tensors
-        with torch.autocast(logits.device.type, enabled=False):
-            grad = _backward(logits, labels, log_norm, grad_logprobs, ctx.temperature, ctx.chunk_rows)
-        return grad, None, None, None
+        return _backward(logits, labels, log_norm, grad_logprobs, ctx.temperature, ctx.chunk_rows), None, None, None
 
 
 def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -89,6 +85,19 @@ def _scaled(chunk: torch.Tensor, temperature: float, out: torch.Tensor) -> torch
     return out.copy_(chunk).div_(temperature)
 
 
+def _without_autocast(compute):
+    """Runs `compute` with autocast off: under `precision="bf16-mixed"` the entropy's batched product would otherwise
+    run in bf16, and the arithmetic stays in the compute dtype, as without autocast."""
+
+    @functools.wraps(compute)
+    def wrapped(logits: torch.Tensor, *args):
+        with torch.autocast(logits.device.type, enabled=False):
+            return compute(logits, *args)
+
+    return wrapped
+
+
+@_without_autocast
 def _forward(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,6 +132,7 @@ def _forward(
     return logprobs, entropy, log_norm
 
 
+@_without_autocast
 def _backward(
     logits: torch.Tensor,
     labels: torch.Tensor,
