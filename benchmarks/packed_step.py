@@ -10,7 +10,8 @@ fp32 on CPU, with the same weights:
 
 Sections: `step` (both models, the ratio), `layouts` (tree attention's two SDPA layouts on the tiny model),
 `logprobs` (the packed step with `packed_logprobs`' chunked log-probabilities, `selected_logprobs`, against the same
-forward followed by the plain formula over the whole `(M, V)` logits: `logsumexp`, `gather`, the entropy from `softmax`). Timings
+forward followed by the plain formula over the whole `(M, V)` logits, `packed_logprobs`' own path when the entropy
+keeps its gradient: `logsumexp`, `gather`, the entropy from `softmax`). Timings
 are medians of `--reps` runs after `--warmup` runs, in one process, the compared steps alternating within each run
 so that load from other processes hits both alike; compare the ratios, not the times, across machines.
 
@@ -68,25 +69,23 @@ def make_samples(num_groups: int, vocab: int, seed: int = 0) -> list[dict]:
     return samples
 
 
-def plain_logprobs(model: torch.nn.Module, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """`packed_logprobs` without its chunked path: the plain formula over the whole `(M, V)` logits (what it computes
-    with truncation on: `logsumexp`, `gather`, and the entropy from `softmax`)."""
-    logits = model(**tree_model_kwargs(mb), logits_to_keep=mb["token_index"], use_cache=False).logits[0].float()
-    labels = mb["shift_labels"][mb["token_index"]]
-    log_norm = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(1, labels[:, None]).squeeze(1) - log_norm
-    with torch.no_grad():
-        entropy = log_norm - (torch.softmax(logits, -1) * torch.where(torch.isfinite(logits), logits, 0.0)).sum(-1)
-    return logprobs, entropy
+def pack(samples: list[dict]) -> dict:
+    """The samples folded into one `TreeRow` (each group's prompt once), packed."""
+    row = TreeRow()
+    for sample in samples:
+        row.add(sample)
+    return row.pack()
+
+
+# `packed_logprobs`' plain path over the whole `(M, V)` logits (`logsumexp`, `gather`, the entropy from `softmax`),
+# the one it takes when the entropy keeps its gradient; the loss does not use the entropy, so the backward is the same
+plain_logprobs = functools.partial(packed_logprobs, entropy_grad=True)
 
 
 def packed_step(
     model: torch.nn.Module, samples: list[dict], logprobs_fn=packed_logprobs
 ) -> tuple[Callable[[], None], int]:
-    row = TreeRow()
-    for sample in samples:
-        row.add(sample)
-    mb = row.pack()
+    mb = pack(samples)
     total = mb["token_index"].numel()
 
     def step() -> None:
@@ -140,10 +139,7 @@ def timed(steps: dict[str, Callable[[], None]], warmup: int, reps: int) -> dict[
 
 def check_same_loss(packed_model: torch.nn.Module, padded_model: torch.nn.Module, samples: list[dict]) -> float:
     """Largest |packed - padded| per-token logprob: both sides must compute the same thing."""
-    row = TreeRow()
-    for sample in samples:
-        row.add(sample)
-    mb = row.pack()
+    mb = pack(samples)
     with torch.no_grad():
         packed, _ = packed_logprobs(packed_model, mb)
         padded = []
@@ -193,10 +189,7 @@ def section_layouts(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|")
     model = use_tree_attention(load_policy(MODELS["tiny"]).train())
     for num_groups in args.groups:
-        row = TreeRow()
-        for sample in make_samples(num_groups, model.config.vocab_size):
-            row.add(sample)
-        mb = row.pack()
+        mb = pack(make_samples(num_groups, model.config.vocab_size))
 
         def step(layout: str, mb: dict = mb) -> None:
             logits = model(**tree_model_kwargs(mb, layout=layout), logits_to_keep=mb["token_index"]).logits
@@ -227,10 +220,7 @@ def section_logprobs(args: argparse.Namespace) -> None:
             continue
         for num_groups in args.groups:
             samples = make_samples(num_groups, model.config.vocab_size)
-            row = TreeRow()
-            for sample in samples:
-                row.add(sample)
-            mb = row.pack()
+            mb = pack(samples)
             with torch.no_grad():
                 diff = float((packed_logprobs(model, mb)[0] - plain_logprobs(model, mb)[0]).abs().max())
             steps = {"chunked": packed_step(model, samples)[0], "plain": packed_step(model, samples, plain_logprobs)[0]}
