@@ -381,9 +381,15 @@ def _as_list(ids: Any) -> list[int]:
 # -- the report -------------------------------------------------------------------------------------------------------
 
 
+def first_point(curve: list[dict[str, Any]], threshold: float) -> dict[str, Any] | None:
+    """The first snapshot at or above `threshold` (None: never)."""
+    return next((point for point in curve if point["accuracy"] >= threshold), None)
+
+
 def first_reaching(curve: list[dict[str, Any]], threshold: float) -> float | None:
     """Training seconds of the first snapshot at or above `threshold` (None: never)."""
-    return next((point["training_s"] for point in curve if point["accuracy"] >= threshold), None)
+    point = first_point(curve, threshold)
+    return None if point is None else point["training_s"]
 
 
 def report(sides: dict[str, dict[str, Any]], out: Path) -> None:
@@ -425,7 +431,7 @@ def summarize(folders: list[Path], out: Path) -> None:
                 cells.append(f"{_fmt(mine)} / {_fmt(theirs)}")
                 continue
             ratios[threshold].append(mine / theirs)
-            step = next(p["step"] for p in ours["curve"] if p["accuracy"] >= threshold)
+            step = first_point(ours["curve"], threshold)["step"]
             cells.append(f"{mine:.0f} / {theirs:.0f} = {mine / theirs:.2f} ({step})")
         per_step = ours["training_s"] / ours["optimizer_steps"]
         print(f"| {folder.name} | {ours['optimizer_steps']} | {per_step:.1f} | " + " | ".join(cells) + " |")
