@@ -130,3 +130,35 @@ def test_the_model_name_validates_on_arithmetic_with_math_verify(converted, monk
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
     (metrics,) = trainer.validate(module, datamodule=datamodule)
     assert 0 < metrics["val/rewards/accuracy"] <= 1
+
+
+@needs_wheel
+@pytest.mark.timeout(180)
+def test_the_embedded_generator_samples_smollm2_with_the_logprobs_of_a_teacher_forced_forward(converted):
+    """The real model's shapes (hidden 576, MLP 1536, vocabulary 49,152) through the generator's decode steps and
+    their small-batch kernel, where this CPU has it: a group of 8 sharing a prompt, and a second prompt."""
+    import asyncio
+
+    from lightning_grpo.rollout.generator import EmbeddedGenerator
+    from lightning_grpo.rollout.sampling import teacher_forced_logprobs
+
+    _, path, _, _ = converted
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    other = [{"role": "user", "content": "What is 3 * 4?"}]
+    prompts = [
+        tokenizer.apply_chat_template(q, add_generation_prompt=True, return_dict=False) for q in (QUESTION, other)
+    ]
+    calls = [prompts[0]] * 8 + [prompts[1]] * 2
+
+    async def generate_all(generator):
+        return await asyncio.gather(*(generator.generate(p, seed=i) for i, p in enumerate(calls)))
+
+    with EmbeddedGenerator(model, temperature=0.7, max_tokens=24, max_batch_size=10) as generator:
+        outputs = asyncio.run(generate_all(generator))
+        assert generator.metrics()["generation/prefills_total"] == 2
+    errors = [
+        (teacher_forced_logprobs(model, p, o.token_ids, 0.7) - torch.tensor(o.logprobs)).abs().max().item()
+        for p, o in zip(calls, outputs, strict=True)
+    ]
+    assert max(errors) <= 1e-4, errors

@@ -8,8 +8,10 @@ attends causally to itself. A prompt's keys and values come back as a `Prefix`, 
 slot of every sample of that prompt (one prefill per distinct prompt, whatever the group size).
 
 The modules are the Hugging Face model's own (embeddings, norms, projections, MLP, rotary embedding, LM head), so
-weights copied into the model in place are used at the next step and the arithmetic is the model's; only the cache
-and the attention over it are ours. Supported: the Llama family of decoders (`SUPPORTED_MODEL_TYPES`).
+weights copied into the model in place are used at the next step; the cache and the attention over it are ours, and
+a step of up to `small_matmul.MAX_ROWS` tokens runs the linear layers through the small-batch kernel where it is
+available (same weights, the same products summed in another order). Supported: the Llama family of decoders
+(`SUPPORTED_MODEL_TYPES`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from . import small_matmul
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -36,14 +40,18 @@ _PACK_MIN_NUMEL = 1 << 22
 
 
 class _Linear:
-    """A `nn.Linear` of the model, run through oneDNN with its weight pre-packed when asked (about twice as fast as
-    the default CPU GEMM for a vocabulary-sized LM head, slower for small layers). `pack()` re-packs after the
-    module's weight changed in place."""
+    """A `nn.Linear` of the model as a decode step runs it: through the small-batch kernel (`small_matmul`) when it
+    is available and takes the step's rows; else through oneDNN with its weight pre-packed when asked (about twice
+    as fast as the default CPU GEMM for a vocabulary-sized LM head, slower for small layers); else the module.
+    `pack()` re-packs after the module's weight changed in place. The weight is read from the module at each call,
+    so weights copied into the model are used at the next step."""
 
-    def __init__(self, module: torch.nn.Linear, packed: bool) -> None:
+    def __init__(self, module: torch.nn.Module, packed: bool = False) -> None:
         self.module = module
+        # a subclass (a LoRA or quantised layer) computes more than `x @ weight.T + bias`
+        self._small = type(module) is torch.nn.Linear and small_matmul.available()
         self._packed: torch.Tensor | None = None
-        self._use_packed = packed
+        self._use_packed = packed and not self._small
         self.pack()
 
     def pack(self) -> None:
@@ -52,9 +60,30 @@ class _Linear:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.module.weight.detach(), _PACK_ROWS)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._small and small_matmul.applies(x, self.module.weight, self.module.bias):
+            return small_matmul.linear(x, self.module.weight, self.module.bias)
         if self._packed is None:
             return self.module(x)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.module.bias, "none", [], "")
+
+
+class _Layer:
+    """One decoder layer's modules, its linear layers wrapped as `_Linear`."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        attention, mlp = layer.self_attn, layer.mlp
+        self.attention, self.input_norm, self.post_norm = (
+            attention,
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+        )
+        self.q, self.k, self.v, self.o = (_Linear(getattr(attention, f"{n}_proj")) for n in "qkvo")
+        self.gate, self.up, self.down = _Linear(mlp.gate_proj), _Linear(mlp.up_proj), _Linear(mlp.down_proj)
+        self.act = mlp.act_fn
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's MLP (Llama's `down(act(gate(x)) * up(x))`)."""
+        return self.down(self.act(self.gate(x)) * self.up(x))
 
 
 def packing_available(dtype: torch.dtype) -> bool:
@@ -110,10 +139,10 @@ class SlotDecoder:
         base = model.model
         config = model.config
         self._embed, self._norm, self._rotary = base.embed_tokens, base.norm, base.rotary_emb
-        self._layers = list(base.layers)[: config.num_hidden_layers]
+        self._layers = [_Layer(layer) for layer in list(base.layers)[: config.num_hidden_layers]]
         head = model.lm_head
         self._head = _Linear(head, packed and head.weight.numel() >= _PACK_MIN_NUMEL)
-        attention = self._layers[0].self_attn
+        attention = self._layers[0].attention
         self._rope = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the model's own rotation
         self._qk_norm = hasattr(attention, "q_norm")
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -202,7 +231,7 @@ class SlotDecoder:
         prompt_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
         for index, layer in enumerate(self._layers):
             hidden = hidden + self._attention(index, layer, hidden, cos, sin, mask, spans, prompt_kv)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + layer.mlp(layer.post_norm(hidden))
         last = torch.tensor([*range(rows), *(end - 1 for _, end in spans)], dtype=torch.long)
         logits = self._head(self._norm(hidden[last])).float()
         self.lengths[:rows] += 1
@@ -226,12 +255,12 @@ class SlotDecoder:
         return torch.zeros(beyond.shape, dtype=self._dtype).masked_fill_(beyond, float("-inf"))[:, None, None]
 
     def _attention(self, index, layer, hidden, cos, sin, mask, spans, prompt_kv) -> torch.Tensor:
-        attention = layer.self_attn
-        x = layer.input_layernorm(hidden)
+        attention = layer.attention
+        x = layer.input_norm(hidden)
         count = x.shape[0]
-        q = attention.q_proj(x).view(count, self.heads, self.head_dim)
-        k = attention.k_proj(x).view(count, self.kv_heads, self.head_dim)
-        v = attention.v_proj(x).view(count, self.kv_heads, self.head_dim)
+        q = layer.q(x).view(count, self.heads, self.head_dim)
+        k = layer.k(x).view(count, self.kv_heads, self.head_dim)
+        v = layer.v(x).view(count, self.kv_heads, self.head_dim)
         if self._qk_norm:
             q, k = attention.q_norm(q), attention.k_norm(k)
         q, k = self._rope(q, k, cos, sin, unsqueeze_dim=1)
@@ -251,7 +280,7 @@ class SlotDecoder:
                 enable_gqa=self.heads != self.kv_heads,
             )
             out[start:end] = attended[0].transpose(0, 1)
-        return attention.o_proj(out.view(count, -1))
+        return layer.o(out.view(count, -1))
 
     def _decode_attention(self, index, q, k, v, mask) -> torch.Tensor:
         """Each row's query against its slot: (rows, heads, head_dim) after appending its key and value."""
