@@ -51,7 +51,7 @@ class _Linear:
         # a subclass (a LoRA or quantised layer) computes more than `x @ weight.T + bias`
         self._small = type(module) is torch.nn.Linear and small_matmul.available()
         self._packed: torch.Tensor | None = None
-        self._use_packed = packed and not self._small
+        self._use_packed = packed  # for steps of more tokens than the kernel takes
         self.pack()
 
     def pack(self) -> None:
