@@ -8,6 +8,7 @@ importing them before the rollout child could start generating.
 from __future__ import annotations
 
 import json
+import sys
 
 
 def char_sum_reward(completions, **kwargs):
@@ -35,3 +36,19 @@ def scripted_reward(completions, prompts, *, log_dir, split=None, **columns):
 def char_count_reward(completions, **kwargs):
     """The completion's length in characters."""
     return [float(len(c[0]["content"])) for c in completions]
+
+
+class ChildOnlyReward:
+    """A reward that loads in the rollout child but not in a reward worker, whose pool then cannot start."""
+
+    def __call__(self, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def __reduce__(self):
+        return _child_only_reward, ()
+
+
+def _child_only_reward() -> ChildOnlyReward:
+    if "lightning_grpo.rollout.reward_worker" in sys.modules:  # what a reward worker imported to load it
+        raise RuntimeError("ChildOnlyReward never loads in a reward worker")
+    return ChildOnlyReward()
