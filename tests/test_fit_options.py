@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from fit_rewards import length_reward
 from tiny_fits import cpu_trainer, tiny_datamodule
 from trl_grpo import generate_and_score, grpo_trainer
 
@@ -34,11 +35,6 @@ class StepRecorder(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.steps[-1]["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         self.steps[-1]["steps_after"] = trainer.global_step
-
-
-def length_reward(completions, **kwargs):
-    """A second reward column: the completion's length."""
-    return [len(c[0]["content"]) / 8 for c in completions]
 
 
 def trl_batch_advantages(samples, reward_names, aggregation: str, num_generations: int) -> np.ndarray:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from fit_rewards import ChildOnlyReward
 from rollouts import check_stopped_samples, collect_groups
 
 from lightning_grpo.rollout.advantages import compute_group_advantages
@@ -218,6 +219,17 @@ def test_child_killed_with_sigkill_fails_check_health_and_stop_cleans_up(
 def test_bad_loop_argument_fails_start_with_the_childs_message(tiny_model, tokenizer, transfer, no_leaked_processes):
     with pytest.raises(RuntimeError, match=r"reward_weights.*2 entries but there are 1 reward columns"):
         start_worker(tiny_model, tokenizer, transfer, reward_weights=[1.0, 2.0])
+
+
+@pytest.mark.timeout(120)
+def test_a_reward_pool_that_cannot_start_fails_start_with_its_message_and_leaves_no_process(
+    tokenizer, no_leaked_processes
+):
+    """The pool starts while the embedded generator loads the policy; its failure still fails `start()`."""
+    options = worker_options(tokenizer, model_name="tiny-random", dataset=prompts(2), reward_funcs=[ChildOnlyReward()])
+    worker = GRPORolloutWorker(generator="embedded", child_ready_timeout=120, **options)
+    with pytest.raises(RuntimeError, match=r"(?s)could not start its workers.*'ChildOnlyReward' cannot be loaded"):
+        worker.start()
 
 
 def test_unshippable_argument_is_named_before_anything_is_spawned(tiny_model, tokenizer, transfer, no_leaked_processes):

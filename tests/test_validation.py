@@ -5,7 +5,6 @@ tiny model without a chat template (a real `Trainer.fit`, its rollout child and 
 from __future__ import annotations
 
 import functools
-import json
 import math
 
 import numpy as np
@@ -13,6 +12,7 @@ import pandas as pd
 import pytest
 import torch
 from datasets import Dataset
+from fit_rewards import scripted_reward
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 from tiny_fits import cpu_trainer, tiny_datamodule
@@ -71,18 +71,6 @@ def test_pass_at_k_mean_at_k_and_rewards_equal_a_brute_force_count_with_nan_neve
     nothing = ValidationTally(["a"], [1.0], 1, 1.0)
     nothing.add_prompt(np.full((1, 1), np.nan))
     assert math.isnan(nothing.metrics()["val/reward"]) and nothing.metrics()["val/unscored_frac"] == 1.0
-
-
-def scripted_reward(completions, prompts, *, log_dir, split=None, **columns):
-    """A reward fixed by the text: NaN (None) for a third of the completions, else 1 or 0; writes what it scored."""
-    rewards = []
-    for completion in completions:
-        assert isinstance(completion, str), completion  # raw-text prompts: completions are strings (TRL's format)
-        rewards.append([None, 1.0, 0.0][sum(map(ord, completion)) % 3])
-    with open(f"{log_dir}/{split[0] if split else 'train'}.jsonl", "a") as log:  # a column: one value per completion
-        for prompt, reward in zip(prompts, rewards, strict=True):
-            log.write(json.dumps({"prompt": prompt, "reward": reward}) + "\n")
-    return rewards
 
 
 class TrainedPrompts(Callback):

@@ -21,6 +21,7 @@ import pytest
 import requests
 import torch
 from datasets import Dataset
+from fit_rewards import char_count_reward
 from rollouts import check_stopped_samples, collect_groups
 
 from lightning_grpo.models import tiny_llama
@@ -41,10 +42,6 @@ TOLERANCE = 1e-4  # fp32 server vs fp32 teacher-forced forward (measured: ~1e-6)
 
 def prompts(n: int, length: int = 0) -> Dataset:
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}." + "x" * length}] for i in range(n)]})
-
-
-def length_reward(completions, **kwargs):
-    return [float(len(c[0]["content"])) for c in completions]
 
 
 def trl_payload(prompt_ids: list[int], max_tokens: int, temperature: float = 1.0, **extra) -> dict:
@@ -137,7 +134,7 @@ def start_worker(url: str, tokenizer, **overrides) -> GRPORolloutWorker:
     kwargs = dict(
         model_name=MODEL,
         dataset=prompts(2),
-        reward_funcs=[length_reward],
+        reward_funcs=[char_count_reward],
         processing_class=tokenizer,
         eos_token_ids=[tokenizer.eos_token_id],
         num_generations=4,
@@ -457,7 +454,7 @@ def test_fit_with_the_vllm_generator_ends_by_itself_and_leaves_the_server_on_the
     datamodule = GRPODataModule(
         model=MODEL,
         dataset=prompts(6),
-        reward_funcs=[length_reward],
+        reward_funcs=[char_count_reward],
         generator="vllm",
         vllm_server_url=vllm_server.url,
         num_generations=4,
@@ -510,7 +507,7 @@ def test_fit_with_adapter_only_pushes_ends_by_itself_with_the_rollouts_on_the_pu
 
     push(transfer, tiny_llama(seed=0), version=0)  # the base weights the adapters apply to
     datamodule = GRPODataModule(
-        model=MODEL, dataset=prompts(4), reward_funcs=[length_reward], generator="vllm",
+        model=MODEL, dataset=prompts(4), reward_funcs=[char_count_reward], generator="vllm",
         vllm_server_url=vllm_server.url, vllm_transfer="lora", num_generations=4, max_completion_length=8,
         samples_per_row=4,
     )  # fmt: skip

@@ -9,6 +9,7 @@ generator besides TRL's vLLM HTTP path.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import logging
@@ -205,9 +206,8 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         self._pacing_window = None if groups_per_step is None else (max_staleness + 1) * groups_per_step
         self._groups_consumed_value = groups_consumed_value
         self._admitted = 0
-        self._pool = self._start_reward_pool(reward_num_workers)
         self._pool_stats_pushed: dict[str, float] = {}
-        self._generator = generator.build(core_sharing) if generator is not None else None
+        self._pool, self._generator = self._start_pool_and_generator(reward_num_workers, generator, core_sharing)
 
     # -- set-up ------------------------------------------------------------------------------------------------------
 
@@ -231,9 +231,29 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
             )
         return weights
 
-    def _start_reward_pool(self, num_workers: int) -> RewardProcessPool | None:
+    def _start_pool_and_generator(self, num_workers: int, generator: Any, core_sharing: Any) -> tuple[Any, Any]:
+        """The reward pool and the embedded generator (None for vLLM), started at once: the pool's workers import
+        the reward functions' modules while the policy loads. Whichever fails, the other is closed before it raises.
+        """
         if num_workers < 0:
             raise ValueError(f"`reward_num_workers={num_workers}` must be 0 (threads) or more (processes).")
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo-reward-pool-start") as starter:
+            starting = starter.submit(self._start_reward_pool, num_workers)
+            try:
+                built = generator.build(core_sharing) if generator is not None else None
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    if (pool := starting.result()) is not None:
+                        pool.close()
+                raise
+            try:
+                return starting.result(), built
+            except BaseException:
+                if built is not None:
+                    built.close()
+                raise
+
+    def _start_reward_pool(self, num_workers: int) -> RewardProcessPool | None:
         sync_funcs = [f for f in self.reward_funcs if not is_async_callable(f)]
         if num_workers == 0 or not sync_funcs:
             return None

@@ -1,0 +1,54 @@
+"""Reward functions of the tests' fits, in a module that imports only the standard library.
+
+cloudpickle ships a module-level function by reference, so each reward worker imports the module that defines it.
+Defined in a test module (which imports torch, Lightning and TRL), every reward pool of every fit would spend ~10 s
+importing them before the rollout child could start generating.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def char_sum_reward(completions, **kwargs):
+    """Varies with every character, so a random policy's groups carry a learning signal."""
+    return [sum(map(ord, c[0]["content"])) % 97 / 97 for c in completions]
+
+
+def length_reward(completions, **kwargs):
+    """A second reward column: the completion's length."""
+    return [len(c[0]["content"]) / 8 for c in completions]
+
+
+def scripted_reward(completions, prompts, *, log_dir, split=None, **columns):
+    """A reward fixed by the text: NaN (None) for a third of the completions, else 1 or 0; writes what it scored."""
+    rewards = []
+    for completion in completions:
+        assert isinstance(completion, str), completion  # raw-text prompts: completions are strings (TRL's format)
+        rewards.append([None, 1.0, 0.0][sum(map(ord, completion)) % 3])
+    with open(f"{log_dir}/{split[0] if split else 'train'}.jsonl", "a") as log:  # a column: one value per completion
+        for prompt, reward in zip(prompts, rewards, strict=True):
+            log.write(json.dumps({"prompt": prompt, "reward": reward}) + "\n")
+    return rewards
+
+
+def char_count_reward(completions, **kwargs):
+    """The completion's length in characters."""
+    return [float(len(c[0]["content"])) for c in completions]
+
+
+class ChildOnlyReward:
+    """A reward that loads in the rollout child but not in a reward worker, whose pool then cannot start."""
+
+    def __call__(self, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def __reduce__(self):
+        return _child_only_reward, ()
+
+
+def _child_only_reward() -> ChildOnlyReward:
+    if "lightning_grpo.rollout.reward_worker" in sys.modules:  # what a reward worker imported to load it
+        raise RuntimeError("ChildOnlyReward never loads in a reward worker")
+    return ChildOnlyReward()
