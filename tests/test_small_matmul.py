@@ -109,7 +109,7 @@ def test_the_off_switch_leaves_torchs_layers_and_says_so(fresh_kernel_state):
 
 
 @pytest.mark.skipif(not x86_with_avx2, reason="the build is only tried on x86 CPUs with AVX2")
-def test_a_failing_compiler_leaves_torchs_layers_and_the_generator_exact(fresh_kernel_state, tmp_path, caplog):
+def test_a_failing_compiler_leaves_torchs_layers_and_the_decoder_exact(fresh_kernel_state, tmp_path, caplog):
     fresh_kernel_state.setenv("LIGHTNING_GRPO_CACHE", str(tmp_path))
     fresh_kernel_state.setenv("CC", shutil.which("false"))
     assert not small_matmul.available()
@@ -118,7 +118,7 @@ def test_a_failing_compiler_leaves_torchs_layers_and_the_generator_exact(fresh_k
     assert not list((tmp_path / "kernels").iterdir())  # no half-written library left behind
     model = tiny_llama(seed=0).eval()
     step_logits = _one_decode_step(SlotDecoder(model))
-    assert torch.isfinite(step_logits).all()
+    torch.testing.assert_close(step_logits, _full_forward_logits(model), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not (x86_with_avx2 and shutil.which("cc")), reason="needs an x86 CPU with AVX2 and cc")
@@ -131,14 +131,23 @@ def test_a_build_goes_into_the_cache_folder_once_per_source(fresh_kernel_state, 
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
 
 
+PROMPT = [2, 40, 41, 42, 43]
+
+
 def _one_decode_step(decoder: SlotDecoder, rows: int = 5) -> torch.Tensor:
-    """Prefill a prompt into `rows` slots, then one decode step of all of them; the step's logits."""
-    prompt = [2, 40, 41, 42, 43]
-    _, (prefix,) = decoder.step(torch.zeros(0, dtype=torch.long), [prompt])
-    decoder.reserve(rows, len(prompt) + 1)
+    """Prefill `PROMPT` into `rows` slots, then one decode step in which row i feeds token 10 + i; its logits."""
+    _, (prefix,) = decoder.step(torch.zeros(0, dtype=torch.long), [PROMPT])
+    decoder.reserve(rows, len(PROMPT) + 1)
     decoder.load(prefix, list(range(rows)))
     logits, _ = decoder.step(torch.arange(rows) + 10, [])
     return logits
+
+
+def _full_forward_logits(model, rows: int = 5) -> torch.Tensor:
+    """What `_one_decode_step` must give: the model's own forward over `PROMPT` + [10 + i], last position."""
+    ids = torch.tensor([[*PROMPT, 10 + i] for i in range(rows)])
+    with torch.no_grad():
+        return model(ids).logits[:, -1]
 
 
 @needs_kernel
@@ -152,6 +161,7 @@ def test_the_decoder_runs_every_linear_layer_of_a_decode_step_through_the_kernel
     layers = model.config.num_hidden_layers
     assert len(calls) == 2 * (7 * layers + 1)  # prefill and decode: q, k, v, o, gate, up, down per layer; the head
     torch.testing.assert_close(logits, reference, rtol=0, atol=0)
+    torch.testing.assert_close(logits, _full_forward_logits(model), rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(small_matmul, "available", lambda: False)
     without = _one_decode_step(SlotDecoder(model))  # torch's layers
     torch.testing.assert_close(without, reference, rtol=1e-5, atol=1e-5)
