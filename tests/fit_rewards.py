@@ -52,3 +52,12 @@ def _child_only_reward() -> ChildOnlyReward:
     if "lightning_grpo.rollout.reward_worker" in sys.modules:  # what a reward worker imported to load it
         raise RuntimeError("ChildOnlyReward never loads in a reward worker")
     return ChildOnlyReward()
+
+
+def environment_mark(completions, **kwargs):
+    """`$LIGHTNING_GRPO_TEST_MARK` plus a thousandth per character (so a group's rewards vary and it is kept): shows
+    the environment the reward worker, and the rollout child that started it, got."""
+    import os
+
+    mark = float(os.environ["LIGHTNING_GRPO_TEST_MARK"])
+    return [mark + len(c[0]["content"]) / 1000 for c in completions]

@@ -17,17 +17,18 @@ import nbformat
 import psutil
 import pytest
 from nbclient import NotebookClient
-from processes import session_processes
+from processes import is_forkserver, session_processes
 
 NOTEBOOK = Path(__file__).parents[1] / "notebooks" / "quickstart.ipynb"
 
 
 def processes_left(kernel_pid: int, grace: float = 15) -> list[str]:
-    """Processes of the kernel's session other than the kernel (and Python's multiprocessing resource tracker, which
-    lives as long as the kernel) still alive after `grace` seconds, described; they are killed."""
+    """Processes of the kernel's session other than the kernel (and Python's multiprocessing resource tracker and
+    the forkserver that forks rollout children, which live as long as the kernel) still alive after `grace` seconds,
+    described; they are killed."""
 
     def others() -> list[psutil.Process]:
-        return [p for p in session_processes(kernel_pid) if p.pid != kernel_pid]
+        return [p for p in session_processes(kernel_pid) if p.pid != kernel_pid and not is_forkserver(p)]
 
     deadline = time.monotonic() + grace
     while others() and time.monotonic() < deadline:

@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from fit_rewards import ChildOnlyReward
+from fit_rewards import ChildOnlyReward, environment_mark
+from processes import live_children
 from rollouts import check_stopped_samples, collect_groups
 
+from lightning_grpo.rollout import start_method
 from lightning_grpo.rollout.advantages import compute_group_advantages
 from lightning_grpo.rollout.generator import GeneratorSpec, PolicySpec
 from lightning_grpo.rollout.records import SCORE_PAYLOAD
@@ -300,3 +302,40 @@ def test_stop_strings_end_completions_untruncated_with_logprobs_of_the_processed
     finally:
         worker.stop()
     check_stopped_samples(groups, tiny_model, tokenizer, stop, MAX_TOKENS, **sampling)
+
+
+@pytest.mark.timeout(240)
+def test_children_are_forked_by_one_preloading_server_with_the_environment_of_their_start(
+    tiny_model, tokenizer, transfer, monkeypatch, no_leaked_processes
+):
+    """Two children in a row: both forked by the same forkserver (which exits with this process, so it is no leak),
+    each with this process's environment as it was when that child started, down to its reward worker."""
+    import psutil
+
+    push(transfer, tiny_model, version=0)
+    servers, marks = [], []
+    for mark in ("7", "8"):
+        monkeypatch.setenv("LIGHTNING_GRPO_TEST_MARK", mark)  # not read at import: a forked child sees the new value
+        worker = start_worker(tiny_model, tokenizer, transfer, reward_funcs=[environment_mark], dataset=prompts(1))
+        try:
+            servers.append(psutil.Process(worker.pid).ppid())
+            (samples,) = collect_groups(worker, 1).values()
+            marks.append({int(s.metrics["rewards/environment_mark"]) for s in samples})
+        finally:
+            worker.stop()
+    assert servers[0] == servers[1] == start_method._server["pid"] != os.getpid()
+    assert "multiprocessing.forkserver" in " ".join(psutil.Process(servers[0]).cmdline())
+    assert marks == [{7}, {8}]
+
+
+def test_a_changed_import_time_variable_or_the_switch_spawns_the_child(monkeypatch):
+    """A variable torch or transformers read when the server imported them cannot reach a forked child: spawn."""
+    start_method.warm_up()  # returns once the server has imported the loop (it forked and reaped a no-op child)
+    assert start_method._server["pid"] is not None and not live_children()
+    assert start_method.rollout_context().get_start_method() == "forkserver"
+    monkeypatch.setenv("HF_LIGHTNING_GRPO_TEST", "1")
+    assert start_method.rollout_context().get_start_method() == "spawn"
+    monkeypatch.delenv("HF_LIGHTNING_GRPO_TEST")
+    assert start_method.rollout_context().get_start_method() == "forkserver"
+    monkeypatch.setenv(start_method.ENV_SWITCH, "spawn")
+    assert start_method.rollout_context().get_start_method() == "spawn"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import gguf
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -29,38 +30,47 @@ QUESTION = [{"role": "user", "content": "What is 12 + 7? Put the final answer in
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """One conversion for the module's tests, with what it printed and the model it read from the GGUF (kept to
-    compare against, so the GGUF is dequantized once)."""
+    """One conversion for the module's tests, with what it printed, the model it read from the GGUF (kept to
+    compare against, so the GGUF is dequantized once) and the files gguf parsed."""
     cache = tmp_path_factory.mktemp("cache")
     capture = pytest.MonkeyPatch()
     printed: list[str] = []
     read: list[torch.nn.Module] = []
-    load = AutoModelForCausalLM.from_pretrained
+    parsed: list[str] = []
+    load, parse = AutoModelForCausalLM.from_pretrained, gguf.GGUFReader.__init__
 
     def keep_what_is_read(*args, **kwargs):
         read.append(load(*args, **kwargs))
         return read[-1]
 
+    def count_parses(self, path, *args, **kwargs):
+        parsed.append(str(path))
+        parse(self, path, *args, **kwargs)
+
     capture.setattr("builtins.print", lambda *args, **kwargs: printed.append(" ".join(map(str, args))))
     capture.setattr("transformers.AutoModelForCausalLM.from_pretrained", keep_what_is_read)
+    capture.setattr(gguf.GGUFReader, "__init__", count_parses)
     try:
         path = smollm2_path(cache)
     finally:
         capture.undo()
-    return cache, path, printed, read
+    return cache, path, printed, read, parsed
 
 
 @needs_wheel
 @pytest.mark.timeout(180)
 def test_conversion_keeps_the_gguf_model_and_its_chat_template(converted):
-    _, path, printed, read = converted
+    _, path, printed, read, parsed = converted
     assert path.name == SMOLLM2_NAME
     assert any("Converting" in line for line in printed), printed  # the user sees why the first run pauses
-    gguf = smollm2_gguf()
+    gguf_file = smollm2_gguf()
     (original,) = read  # the conversion read the GGUF's model once, in fp32
+    # Tokenizer, config and weights came from one parse of the file, and gguf is itself again afterwards.
+    assert parsed == [str(gguf_file)]
+    assert isinstance(gguf.GGUFReader, type) and not hasattr(gguf.get_tensor_name_map, "cache_info")
     original.eval()
     assert next(original.parameters()).dtype == torch.float32
-    original_tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    original_tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
 
@@ -77,7 +87,7 @@ def test_conversion_keeps_the_gguf_model_and_its_chat_template(converted):
 
 @needs_wheel
 def test_a_converted_cache_is_reused_without_converting_again(converted, capsys):
-    cache, path, _, _ = converted
+    cache, path, _, _, _ = converted
     written = (path / "model.safetensors").stat().st_mtime_ns
     assert smollm2_path(cache) == path
     assert "Converting" not in capsys.readouterr().out
@@ -115,7 +125,7 @@ def test_without_the_wheel_the_error_gives_the_install_command(monkeypatch, tmp_
 def test_the_model_name_validates_on_arithmetic_with_math_verify(converted, monkeypatch, no_leaked_processes):
     """`GRPOModule("smollm2-135m-instruct")` finds the converted model, and greedy answers to held-out arithmetic are
     scored by math_verify: a broken chat template or tokenizer would score 0 (the model gets ~40% right)."""
-    cache, _, _, _ = converted
+    cache, _, _, _, _ = converted
     monkeypatch.setenv("LIGHTNING_GRPO_CACHE", str(cache))
     datamodule = GRPODataModule(
         dataset="arithmetic",
@@ -142,7 +152,7 @@ def test_the_embedded_generator_samples_smollm2_with_the_logprobs_of_a_teacher_f
     from lightning_grpo.rollout.generator import EmbeddedGenerator
     from lightning_grpo.rollout.sampling import teacher_forced_logprobs
 
-    _, path, _, _ = converted
+    _, path, _, _, _ = converted
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     other = [{"role": "user", "content": "What is 3 * 4?"}]

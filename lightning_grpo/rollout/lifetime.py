@@ -16,17 +16,42 @@ _POLL_S = 0.5
 
 def die_with_parent(parent_pid: int, *, exit_code: int = 1) -> None:
     """Make this process exit when `parent_pid` dies, even by SIGKILL: Linux's `PR_SET_PDEATHSIG`, plus a thread
-    that watches the parent id where that is not available. Call it first thing in the child's main thread."""
+    that watches the parent where that is not available. Call it first thing in the child's main thread.
+
+    `parent_pid` is the process that asked for this one. It is the immediate parent, except for a child forked by a
+    multiprocessing forkserver: the server exits when the process that started it dies, so the death signal still
+    comes, and the thread watches `parent_pid` itself.
+    """
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    immediate = os.getppid()
+    if not _alive(parent_pid):  # the parent died before prctl took effect
         os._exit(exit_code)
 
     def watch() -> None:
-        # an orphan is re-parented, so its parent id changes
-        while os.getppid() == parent_pid:
+        # an orphan is re-parented, so its parent id changes; a forkserver's child watches the process that asked
+        while os.getppid() == immediate and _alive(parent_pid):
             time.sleep(_POLL_S)
         os._exit(exit_code)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    if pid == os.getppid():
+        return True
+    if not os.path.isdir("/proc/self"):  # no procfs: signal 0 tells whether it exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 #: Most rows of `x` the kernel is used for; a longer batch (a prefill) is torch's.
 MAX_ROWS = 64
 #: Weights with fewer elements run on one thread: starting threads for the call would cost more than it saves.
-SPLIT_MIN_NUMEL = 1 << 22
+#: (A decoder layer's q, o, gate, up and down projections are above it; a grouped-query k or v of a small model is not.)
+SPLIT_MIN_NUMEL = 1 << 18
 #: Set to "0" to use torch's linear layers instead.
 ENV_SWITCH = "LIGHTNING_GRPO_SMALL_MATMUL"
 
@@ -68,8 +69,8 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`torch.nn.functional.linear(x, weight, bias)` through the kernel, on `torch.get_num_threads()` threads for a
-    large weight (one thread below `SPLIT_MIN_NUMEL` elements). Needs `available()` and `applies(x, weight, bias)`.
+    """`torch.nn.functional.linear(x, weight, bias)` through the kernel, on `torch.get_num_threads()` threads (one
+    thread for a weight below `SPLIT_MIN_NUMEL` elements). Needs `available()` and `applies(x, weight, bias)`.
 
     Raises:
         RuntimeError: the kernel is not available here (with the reason).

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing as mp
 import os
 import queue
 import sys
@@ -17,6 +16,7 @@ import cloudpickle
 import psutil
 
 from .lifetime import die_with_parent
+from .start_method import apply_environment, child_environment, rollout_context
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,9 @@ class GRPORolloutWorker:
         queue_maxsize: capacity of `rollout_buffer` in samples (0 = unbounded).
         child_ready_timeout: seconds `start()` waits for the child to build its loop (load the model, spawn the
             reward pool).
-        mp_context: multiprocessing context; it must be "spawn" (the default) on anything that imported torch.
+        mp_context: multiprocessing context; "spawn" or "forkserver" on anything that imported torch (never
+            "fork"). By default a forkserver that has imported the rollout loop, where it can be used
+            (`rollout/start_method.py`: later children start in about a second), else "spawn".
         **loop_kwargs: forwarded to `loop_cls` in the child. Values that are multiprocessing primitives (queues,
             values, locks, or objects holding them, like a weight receiver) travel as process arguments; everything
             else travels with cloudpickle. `generator` may be a `GeneratorSpec`, `"embedded"` (the policy
@@ -66,7 +68,7 @@ class GRPORolloutWorker:
             from .loop import GRPORolloutLoop
 
             loop_cls = GRPORolloutLoop
-        ctx = mp_context or mp.get_context("spawn")
+        ctx = mp_context or rollout_context()
         self._ctx = ctx
         self._loop_cls = loop_cls
         self._loop_kwargs = dict(loop_kwargs, queue_maxsize=queue_maxsize)
@@ -132,6 +134,7 @@ class GRPORolloutWorker:
                 cloudpickle.dumps(self._loop_cls),
                 payload,
                 inherited,
+                child_environment(),
                 os.getpid(),
                 self.rollout_buffer,
                 self._model_version_value,
@@ -305,6 +308,7 @@ def _child_entry(
     loop_cls_payload: bytes,
     kwargs_payload: bytes,
     inherited: dict[str, Any],
+    environment: dict[str, str],
     parent_pid: int,
     rollout_buffer: Any,
     model_version_value: Any,
@@ -317,6 +321,7 @@ def _child_entry(
     metrics_queue: Any,
 ) -> None:
     die_with_parent(parent_pid)
+    apply_environment(environment)
     try:
         from .._trl import _child_main
 

@@ -1,0 +1,103 @@
+"""How the rollout child starts: forked from a server process that has already imported the rollout loop.
+
+A new interpreter takes seconds to import torch, transformers and TRL (about 9 s on a 2-core CPU). A child started
+with multiprocessing's "spawn" pays that on every fit; one forked by a "forkserver" that preloaded
+`lightning_grpo.rollout.loop` pays it once per Python process, so the second and later fits of a notebook or a test
+session start their rollout child in about a second. The server is a fresh interpreter started at the first fit:
+it holds none of the trainer's state, has touched no accelerator, runs no thread of its own (numpy's idle BLAS
+server aside), and exits when this process does. (Python 3.14 makes it the default start method on Linux.)
+
+The child gets this process's environment as it is when the child starts (`apply_environment`). Variables that the
+preloaded modules read when they are imported (`HF_*`, `TRANSFORMERS_*`, `TORCH*`, `OMP_*`, ... see
+`IMPORT_TIME_PREFIXES`) cannot follow that way: where one differs from the server's, the child is spawned instead.
+`LIGHTNING_GRPO_START_METHOD=spawn` always spawns; other platforms than Linux spawn too.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import sys
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: Set to "spawn" to start every rollout child in a new interpreter.
+ENV_SWITCH = "LIGHTNING_GRPO_START_METHOD"
+#: What the server imports before it forks children.
+PRELOAD = ["lightning_grpo.rollout.loop"]
+#: Environment variables read when torch, transformers, TRL and their libraries are imported (or their native
+#: libraries load): a child forked from a server started with other values would not see the new ones.
+IMPORT_TIME_PREFIXES = (
+    "ACCELERATE_", "CUDA", "DATASETS_", "GOMP_", "HF_", "HUGGINGFACE_", "KMP_", "LD_", "MALLOC_", "MKL_",
+    "NUMEXPR_", "OMP_", "OPENBLAS_", "PYTHON", "PYTORCH_", "TOKENIZERS_", "TORCH", "TRANSFORMERS_", "TRL_",
+)  # fmt: skip
+
+_lock = threading.Lock()
+# The server this process started (its pid) and the import-time variables it was started with.
+_server: dict[str, Any] = {"pid": None, "environment": None}
+
+
+def rollout_context() -> Any:
+    """The multiprocessing context to start the next rollout child with: the preloading forkserver, or "spawn"."""
+    if os.environ.get(ENV_SWITCH, "forkserver") == "spawn" or not sys.platform.startswith("linux"):
+        return mp.get_context("spawn")
+    with _lock:
+        reason = _ensure_server()
+    if reason is not None:
+        log.debug("The rollout child is spawned: %s.", reason)
+        return mp.get_context("spawn")
+    return mp.get_context("forkserver")
+
+
+def warm_up() -> None:
+    """Start the forkserver now and wait until it has imported the rollout loop, so that the next fit's rollout
+    child starts as fast as later ones (before timing fits, say). Does nothing where children are spawned."""
+    context = rollout_context()
+    if context.get_start_method() == "forkserver":
+        process = context.Process(target=os.getpid, name="grpo-forkserver-warm-up")
+        process.start()  # answered once the server has imported `PRELOAD`
+        process.join()
+
+
+def child_environment() -> dict[str, str]:
+    """This process's environment, for `apply_environment` in the child."""
+    return dict(os.environ)
+
+
+def apply_environment(environment: dict[str, str]) -> None:
+    """Make the child's environment `environment` (a forked child starts with the server's)."""
+    if environment != os.environ:
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+def _import_time_environment() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if key.startswith(IMPORT_TIME_PREFIXES)}
+
+
+def _ensure_server() -> str | None:
+    """Start the server (or a new one if it died) preloading `PRELOAD`; None when it can fork the next child, else
+    why not."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None or not hasattr(server, "_forkserver_pid"):
+        return "this Python's forkserver cannot be inspected"
+    if server._forkserver_pid is not None and server._forkserver_pid != _server["pid"]:
+        return "a forkserver started by other code is running (its environment and preloads are unknown)"
+    if _server["pid"] is None:
+        mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+    if server._forkserver_pid != _server["pid"]:  # started now, or restarted after it died
+        _server.update(pid=server._forkserver_pid, environment=_import_time_environment())
+    changed = sorted(
+        key
+        for key in _import_time_environment().keys() | _server["environment"].keys()
+        if os.environ.get(key) != _server["environment"].get(key)
+    )
+    if changed:
+        return f"{', '.join(changed)} changed since the forkserver started (it read them when it imported torch)"
+    return None
