@@ -18,7 +18,6 @@ import pytest
 import torch
 from datasets import Dataset
 from fit_rewards import ChildOnlyReward, environment_mark
-from processes import live_children
 from rollouts import check_stopped_samples, collect_groups
 
 from lightning_grpo.rollout import start_method
@@ -330,8 +329,11 @@ def test_children_are_forked_by_one_preloading_server_with_the_environment_of_th
 
 def test_a_changed_import_time_variable_or_the_switch_spawns_the_child(monkeypatch):
     """A variable torch or transformers read when the server imported them cannot reach a forked child: spawn."""
+    import psutil
+
     start_method.warm_up()  # returns once the server has imported the loop (it forked and reaped a no-op child)
-    assert start_method._server["pid"] is not None and not live_children()
+    server = psutil.Process(start_method._server["pid"])
+    assert server.ppid() == os.getpid() and "lightning_grpo.rollout.loop" in " ".join(server.cmdline())
     assert start_method.rollout_context().get_start_method() == "forkserver"
     monkeypatch.setenv("HF_LIGHTNING_GRPO_TEST", "1")
     assert start_method.rollout_context().get_start_method() == "spawn"
