@@ -25,7 +25,8 @@ STOP_GRACE_S = 5.0
 
 
 class GRPORolloutWorker:
-    """Runs `GRPORolloutLoop` (or `loop_cls`) in a spawned, CUDA-free child process; TRL's rollout-worker protocol.
+    """Runs `GRPORolloutLoop` (or `loop_cls`) in a CUDA-free child process (forked by a forkserver that preloaded
+    the loop, or spawned); TRL's rollout-worker protocol.
 
     Only rank 0 holds one. The child generates and scores groups and puts `RolloutSample`s on `rollout_buffer`;
     the trainer reads them, bumps `model_version` after each weight sync and reports how many groups it consumed
@@ -150,7 +151,7 @@ class GRPORolloutWorker:
             daemon=True,
         )
         self._process.start()
-        log.info("rollout child spawned (pid %s)", self._process.pid)
+        log.info("rollout child started (pid %s, %s)", self._process.pid, self._ctx.get_start_method())
         self._wait_ready()
 
     def _wait_ready(self) -> None:
