@@ -16,9 +16,10 @@ score alike are dropped, so the trained-group counts may differ slightly). Repor
 steps, prompt groups trained, seconds per prompt group consumed (over the whole fit, and from the end of the first
 optimizer step on: without the start-up and the first step's wait for its groups, which a longer run amortises),
 and the trainer's total wait for rollouts (`perf/rollout_wait_s`). Every fit's rollout child forks from a server that
-has already imported the rollout loop (`start_method.warm_up()`), so no schedule pays that import alone. The runs alternate (async, sync, sync, async, ...) so that load from other processes hits
-both alike; compare the ratio, not the times, across machines. On a 2-core CPU generation and training share the
-same cores, which bounds what overlap can buy; on a GPU host with a vLLM server they do not compete.
+has already imported the rollout loop (`start_method.warm_up()`), so no schedule pays that import alone. The runs
+alternate (async, sync, sync, async, ...) so that load from other processes hits both alike; compare the ratio, not
+the times, across machines. On a 2-core CPU generation and training share the same cores, which bounds what overlap
+can buy; on a GPU host with a vLLM server they do not compete.
 
 Usage: `python benchmarks/async_overlap.py [--model smollm2|tiny] [--prompts 32] [--repeats 1]
 [--schedules async sync async-1t async-2t sync-auto]`
@@ -105,7 +106,8 @@ def run_fit(model: str, prompts: int, max_staleness: int, threads: int | str | N
     ended = time.perf_counter()
     metrics = pd.read_csv(Path(trainer.logger.log_dir) / "metrics.csv")
     consumed = len(datamodule.progress.consumed)
-    first_step_end, first_step_groups = clock.steps[0]
+    # A fit that trained no step (every group dropped) has no "after step 1".
+    first_step_end, first_step_groups = clock.steps[0] if clock.steps else (float("nan"), 0)
     return {
         "fit_s": ended - started,
         "steps": trainer.global_step,

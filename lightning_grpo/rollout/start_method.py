@@ -4,8 +4,9 @@ A new interpreter takes seconds to import torch, transformers and TRL (about 9 s
 with multiprocessing's "spawn" pays that on every fit; one forked by a "forkserver" that preloaded
 `lightning_grpo.rollout.loop` pays it once per Python process, so the second and later fits of a notebook or a test
 session start their rollout child in about a second. The server is a fresh interpreter started at the first fit:
-it holds none of the trainer's state, has touched no accelerator, runs no thread of its own (numpy's idle BLAS
-server aside), and exits when this process does. (Python 3.14 makes it the default start method on Linux.)
+it holds none of the trainer's state, has touched no accelerator, runs no thread of its own (the idle helper
+threads of numpy's BLAS and pyarrow's allocator aside, which their libraries reset at fork), and exits when this
+process does. (Python 3.14 makes it the default start method on Linux.)
 
 The child gets this process's environment as it is when the child starts (`apply_environment`). Variables that the
 preloaded modules read when they are imported (`HF_*`, `TRANSFORMERS_*`, `TORCH*`, `OMP_*`, ... see
@@ -93,11 +94,8 @@ def _ensure_server() -> str | None:
     forkserver.ensure_running()
     if server._forkserver_pid != _server["pid"]:  # started now, or restarted after it died
         _server.update(pid=server._forkserver_pid, environment=_import_time_environment())
-    changed = sorted(
-        key
-        for key in _import_time_environment().keys() | _server["environment"].keys()
-        if os.environ.get(key) != _server["environment"].get(key)
-    )
-    if changed:
-        return f"{', '.join(changed)} changed since the forkserver started (it read them when it imported torch)"
+    now, then = _import_time_environment(), _server["environment"]
+    if now != then:
+        changed = ", ".join(sorted(key for key in now.keys() | then.keys() if now.get(key) != then.get(key)))
+        return f"{changed} changed since the forkserver started (it read them when it imported torch)"
     return None
