@@ -34,10 +34,10 @@ import lightning.pytorch as pl  # noqa: E402
 import numpy as np  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
 
-from lightning_grpo.completions import completion_rows, log_completion_rows  # noqa: E402
 from lightning_grpo.models import load_policy  # noqa: E402
 from lightning_grpo.pipeline.batch import StepBatch  # noqa: E402
 from lightning_grpo.rollout.records import RolloutSample  # noqa: E402
+from lightning_grpo.training.completions import completion_rows, log_completion_rows  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from packed_step import GROUP_SIZE, MODELS, make_samples, packed_step  # noqa: E402

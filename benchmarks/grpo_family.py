@@ -34,8 +34,8 @@ from lightning_grpo import GRPOModule, RolloutContract, StepBatch  # noqa: E402
 from lightning_grpo.models import load_policy, load_tokenizer  # noqa: E402
 from lightning_grpo.pipeline.collating import ProgressCollator  # noqa: E402
 from lightning_grpo.pipeline.planner import StepPlanner  # noqa: E402
-from lightning_grpo.replay import StepReplay  # noqa: E402
 from lightning_grpo.rollout.records import RolloutSample  # noqa: E402
+from lightning_grpo.training.replay import StepReplay  # noqa: E402
 
 PROMPT, COMPLETION_RANGE, GROUP_SIZE = 48, (32, 64), 8
 MODELS = {"tiny": "tiny-random", "smollm2": "smollm2-135m-instruct"}

@@ -124,7 +124,7 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_grpo import GRPODataModule, GRPOModule
-    from lightning_grpo.main_job import DEFAULT_CONFIG
+    from lightning_grpo.cli.main_job import DEFAULT_CONFIG
 
     config = yaml.safe_load(Path(DEFAULT_CONFIG).read_text())
     pl.seed_everything(config["seed_everything"])
@@ -215,8 +215,8 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     from lightning_grpo._imports import resolve_callable
-    from lightning_grpo.data import load_prompts
-    from lightning_grpo.main_job import DEFAULT_CONFIG
+    from lightning_grpo.cli.main_job import DEFAULT_CONFIG
+    from lightning_grpo.data.sources import load_prompts
     from lightning_grpo.models import load_policy, load_tokenizer
 
     config = yaml.safe_load(Path(DEFAULT_CONFIG).read_text())
@@ -322,8 +322,8 @@ def evaluate(args: argparse.Namespace, sides: dict[str, dict[str, Any]]) -> None
     from safetensors.torch import load_file
 
     from lightning_grpo._imports import resolve_callable
-    from lightning_grpo.data import load_prompts
-    from lightning_grpo.main_job import DEFAULT_CONFIG
+    from lightning_grpo.cli.main_job import DEFAULT_CONFIG
+    from lightning_grpo.data.sources import load_prompts
     from lightning_grpo.models import load_policy, load_tokenizer
     from lightning_grpo.rollout.generator import EmbeddedGenerator
 

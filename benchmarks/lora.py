@@ -38,7 +38,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_grpo.main_job import _PeakMemory  # noqa: E402  (the main job's whole-tree peak memory)
+from lightning_grpo.cli.main_job import _PeakMemory  # noqa: E402  (the main job's whole-tree peak memory)
 
 GROUP_SIZE, PROMPT, COMPLETIONS = 8, 48, (32, 64)
 LORA = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}  # configs/lora.yaml's adapters
@@ -90,8 +90,8 @@ def train_worker(model: str, config: TrainConfig, groups: int, warmup: int, step
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
     from peft import LoraConfig
 
-    from lightning_grpo.loss import grpo_loss, packed_logprobs
     from lightning_grpo.module import GRPOModule
+    from lightning_grpo.training.loss import grpo_loss, packed_logprobs
 
     torch.set_num_threads(threads)
     module = GRPOModule(
@@ -195,7 +195,7 @@ def lora_policy(model: str, targets: str | list[str]) -> torch.nn.Module:
     from peft import LoraConfig
 
     from lightning_grpo.models import load_policy
-    from lightning_grpo.policy import apply_peft
+    from lightning_grpo.training.policy import apply_peft
 
     torch.manual_seed(0)
     options = LORA | {"target_modules": targets}

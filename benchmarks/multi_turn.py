@@ -68,7 +68,7 @@ def tiny_setup() -> Setup:
 
 
 def smollm2_setup() -> Setup:
-    from lightning_grpo.data import arithmetic_dataset
+    from lightning_grpo.data.sources import arithmetic_dataset
     from lightning_grpo.models import load_policy, load_tokenizer
     from lightning_grpo.rewards import accuracy
     from lightning_grpo.rollout.chat import ensure_tool_parser

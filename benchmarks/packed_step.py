@@ -39,9 +39,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 
-from lightning_grpo.attention import tree_model_kwargs, use_tree_attention  # noqa: E402
-from lightning_grpo.loss import grpo_loss, packed_logprobs  # noqa: E402
 from lightning_grpo.models import load_policy  # noqa: E402
+from lightning_grpo.training.attention import tree_model_kwargs, use_tree_attention  # noqa: E402
+from lightning_grpo.training.loss import grpo_loss, packed_logprobs  # noqa: E402
 
 PROMPT, COMPLETION_RANGE, GROUP_SIZE = 48, (32, 64), 8
 MODELS = {"tiny": "tiny-random", "smollm2": "smollm2-135m-instruct"}

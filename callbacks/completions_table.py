@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_grpo.completions import completion_rows, log_completion_rows
+from lightning_grpo.training.completions import completion_rows, log_completion_rows
 
 
 class CompletionsTableCallback(Callback):
@@ -17,7 +17,7 @@ class CompletionsTableCallback(Callback):
     TRL's `log_completions=True` with `logging_steps=n` and its `num_completions_to_print`, the Lightning way: the
     interval is this callback's (0 turns it off; the first and the run's last step are logged too), and the rows go to
     every attached logger: `completions.csv` beside a `CSVLogger`'s `metrics.csv`, the text tag `completions` in
-    TensorBoard, a `wandb.Table` with `WandbLogger` (see `lightning_grpo.completions` for the columns). Unlike TRL,
+    TensorBoard, a `wandb.Table` with `WandbLogger` (see `lightning_grpo.training.completions` for the columns). Unlike TRL,
     nothing is printed: the console has the progress bar.
 
     Rank 0 only (it has the step's samples), after the step trained, from data the step already holds: the cost is

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_grpo.contract import RolloutSource
-from lightning_grpo.step_metrics import log_step_metrics
+from lightning_grpo.training.step_metrics import log_step_metrics
 
 
 class RolloutMetricsCallback(Callback):
@@ -20,7 +20,7 @@ class RolloutMetricsCallback(Callback):
     `completions/clipped_ratio`, `reward_pool/{calls,errors,timeouts,restarts}_total`, `reward_pool/busy_s`, and the
     trainer-side `progress/dropped_<reason>_total` and `progress/groups_consumed` (groups trained in finished steps
     or dropped). Counters (`*_total`) are the run's totals at that step (restored on resume, see
-    `lightning_grpo.step_metrics`); gauges are averaged over the window since the last step, rates are ratios of sums.
+    `lightning_grpo.training.step_metrics`); gauges are averaged over the window since the last step, rates are ratios of sums.
     It runs after `RolloutStopCallback` (`GRPOModule` adds both in that order), so the groups dropped while the next
     step was planned, and the rollout child's counts up to then, are in this step's row; at the last step, that is
     the whole run.

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_grpo.contract import require_rollout_source
-from lightning_grpo.step_metrics import log_step_metrics
+from lightning_grpo.training.step_metrics import log_step_metrics
 
 
 class WeightSyncCallback(Callback):

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os as _os
 from typing import TYPE_CHECKING
 
+from . import _moved
 from ._imports import lazy_exports
 
 # TRL marks `trl.experimental` unstable on every import; we pin the TRL minor release instead.
 _os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+_moved.install()
 
 # public name -> submodule that defines it
 _EXPORTS = {
@@ -59,29 +61,26 @@ _EXPORTS = {
     # the trainer
     "RolloutContract": "contract",
     "RolloutSource": "contract",
-    "register_tree_attention": "attention",
-    "grpo_loss": "loss",
-    "policy_loss": "loss",
-    "LossOptions": "loss_options",
-    "ReferenceModel": "reference",
-    "ReferencePolicy": "reference",
-    "StepReplay": "replay",
+    "register_tree_attention": "training.attention",
+    "grpo_loss": "training.loss",
+    "policy_loss": "training.loss",
+    "LossOptions": "training.loss_options",
+    "ReferenceModel": "training.reference",
+    "ReferencePolicy": "training.reference",
+    "StepReplay": "training.replay",
     "GRPOModule": "module",
-    "StepMetrics": "step_metrics",
+    "StepMetrics": "training.step_metrics",
     "GRPODataModule": "datamodule",
-    "export_policy": "export",
+    "export_policy": "cli.export",
 }
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
-    from .attention import register_tree_attention
+    from .cli.export import export_policy
     from .contract import RolloutContract, RolloutSource
     from .datamodule import GRPODataModule
-    from .export import export_policy
-    from .loss import grpo_loss, policy_loss
-    from .loss_options import LossOptions
     from .module import GRPOModule
     from .pipeline.batch import StepBatch
     from .pipeline.collating import ProgressCollator
@@ -90,8 +89,6 @@ if TYPE_CHECKING:
     from .pipeline.ledger import RolloutProgress, RolloutStop
     from .pipeline.planner import ScoredRow, StepPlan, StepPlanner, check_step_capacity
     from .pipeline.stopping import StopAwareDataset
-    from .reference import ReferenceModel, ReferencePolicy
-    from .replay import StepReplay
     from .rollout.advantages import compute_group_advantages
     from .rollout.generator import EmbeddedGenerator, GeneratorSpec, PolicySpec
     from .rollout.loop import GRPORolloutLoop
@@ -105,7 +102,12 @@ if TYPE_CHECKING:
     from .scoring.scorers import FeatureMatchingScorer, RewardModelScorer
     from .scoring.step import score_step
     from .serving.vllm_server import VLLMServer
-    from .step_metrics import StepMetrics
+    from .training.attention import register_tree_attention
+    from .training.loss import grpo_loss, policy_loss
+    from .training.loss_options import LossOptions
+    from .training.reference import ReferenceModel, ReferencePolicy
+    from .training.replay import StepReplay
+    from .training.step_metrics import StepMetrics
     from .weights.factory import make_weight_transfer
     from .weights.shared_memory import SharedMemoryWeightTransfer
     from .weights.sync import WeightSync

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from .data.tooling import ConversationSpec
     from .pipeline.batch import StepBatch
     from .pipeline.ledger import RolloutProgress
-    from .tooling import ConversationSpec
     from .weights.sync import WeightSync
 
 

@@ -18,17 +18,17 @@ from torch.utils.data import DataLoader
 from ._imports import resolve_callable
 from ._trl import get_callable_name
 from .contract import PolicySource, RolloutContract
-from .data import check_columns, check_reward_columns, check_source, load_prompts
-from .options import checked_loop_kwargs, resolve_loop_cls, validate_options
+from .data.options import checked_loop_kwargs, resolve_loop_cls, validate_options
+from .data.sources import check_columns, check_reward_columns, check_source, load_prompts
+from .data.tooling import ConversationSpec, resolve_environment_factory, resolve_tools
 from .pipeline.batch import StepBatch
 from .pipeline.ledger import RolloutProgress
 from .pipeline.planner import check_step_capacity
+from .pipeline.session import RolloutSession, SessionOptions
 from .pipeline.stream import StepStream
 from .rollout.core_sharing import CoreSharing
 from .rollout.schedule import GroupSchedule
-from .session import RolloutSession, SessionOptions
-from .threads import borrow_idle_cores, trainer_threads_for
-from .tooling import ConversationSpec, resolve_environment_factory, resolve_tools
+from .training.threads import borrow_idle_cores, trainer_threads_for
 from .weights.factory import (
     changed_scope,
     make_weight_transfer,
@@ -127,7 +127,7 @@ class GRPODataModule(pl.LightningDataModule):
         trainer_threads: torch threads the trainer trains with during `fit` (restored afterwards). `"auto"`: on a CPU
             with the embedded generator and one process, the cores the generator does not use, so the two do not
             oversubscribe the CPU, and each side runs on the other's cores too while the other is idle (the generator
-            paced or out of work, the trainer waiting for rollouts; see `lightning_grpo.threads`); a number: that
+            paced or out of work, the trainer waiting for rollouts; see `lightning_grpo.training.threads`); a number: that
             many, always; None: leave torch's setting alone.
         val_batch_size: held-out prompts per validation batch.
         loop_cls: a `GRPORolloutLoop` subclass (or its import path) for the rollout child to run instead, e.g. one
@@ -351,7 +351,7 @@ class GRPODataModule(pl.LightningDataModule):
         return prompts
 
     def _load_tokenizer(self) -> Any:
-        from .models import load_tokenizer
+        from .models.loading import load_tokenizer
 
         name = self.tokenizer_name or self.model_name or self._module_model_name()
         if name is None:
@@ -557,7 +557,7 @@ class GRPODataModule(pl.LightningDataModule):
         if self._session is not None:
             self._session.close()
         hp = self.hparams
-        from .models import eos_token_ids
+        from .models.loading import eos_token_ids
 
         eos = eos_token_ids(self.tokenizer, module.policy)
         options = SessionOptions(

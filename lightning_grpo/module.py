@@ -17,10 +17,11 @@ from peft import LoraConfig
 
 from ._imports import import_object
 from .contract import RolloutContract, require_rollout_source
-from .loss import LossContext, LossStats, micro_batch_loss
-from .loss_options import ImportanceSamplingLevel, ImportanceSamplingMode, LossOptions, LossType, check_options
+from .data.tooling import ConversationSpec
 from .pipeline.batch import MicroBatch, StepBatch
-from .policy import (
+from .training.loss import LossContext, LossStats, micro_batch_loss
+from .training.loss_options import ImportanceSamplingLevel, ImportanceSamplingMode, LossOptions, LossType, check_options
+from .training.policy import (
     CHECKPOINT_KEY,
     apply_peft,
     check_peft_config,
@@ -31,11 +32,10 @@ from .policy import (
     policy_record,
     trainable_parameters,
 )
-from .reference import ReferenceModel, ReferencePolicy, adapters_start_at_zero, make_reference
-from .sharding import check_strategy, clip_gradient_norm, gradient_sync, is_fsdp2, is_sharded, shard_policy
-from .step_metrics import StepMetrics
-from .tooling import ConversationSpec
-from .validation_metrics import ValidationTally, check_validation_options
+from .training.reference import ReferenceModel, ReferencePolicy, adapters_start_at_zero, make_reference
+from .training.sharding import check_strategy, clip_gradient_norm, gradient_sync, is_fsdp2, is_sharded, shard_policy
+from .training.step_metrics import StepMetrics
+from .validation.metrics import ValidationTally, check_validation_options
 from .weights.adapters import adapter_config
 
 #: Checkpoint key of the reference model, present once `sync_ref_model` mixed it (it is the initial policy before).
@@ -58,7 +58,7 @@ class GRPOModule(pl.LightningModule):
     optimizer step; the step's groups are committed once, after the last). The loss is TRL GRPOTrainer's family
     (`loss_type`, with its options under the same names, defaults and meanings), with the ratio taken against the
     generator's log-probabilities (as in TRL's async GRPO), each loss type normalised exactly over the step's ranks
-    and micro-batches; with `beta > 0` a frozen reference model (`lightning_grpo.reference`) adds GRPOTrainer's KL
+    and micro-batches; with `beta > 0` a frozen reference model (`lightning_grpo.training.reference`) adds GRPOTrainer's KL
     term. `validation_step` runs the training rollouts' conversations
     (prompt format, tools, environments) on held-out prompts with the policy being trained, `num_generations_eval`
     per prompt, greedy or sampled, and scores them with the data module's reward columns, weighted as in training:
@@ -295,7 +295,7 @@ class GRPOModule(pl.LightningModule):
 
         Raises:
             TypeError: no data module, or one that is not a `lightning_grpo.RolloutSource`.
-            ValueError: see `lightning_grpo.sharding.check_strategy`.
+            ValueError: see `lightning_grpo.training.sharding.check_strategy`.
         """
         datamodule = require_rollout_source(self.trainer.datamodule, "GRPOModule")
         self.contract = datamodule.rollout_contract()
@@ -306,7 +306,7 @@ class GRPOModule(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.policy is None:
-            from .models import load_policy
+            from .models.loading import load_policy
 
             self.policy = load_policy(self.model_name, dtype=getattr(torch, self.hparams.dtype))
         fresh_adapters = self.peft_config is not None and not is_peft_model(self.policy)
@@ -551,8 +551,8 @@ class GRPOModule(pl.LightningModule):
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         """Every rank: conversations on this rank's held-out prompts, scored into this epoch's tally."""
-        from .models import eos_token_ids
-        from .validation import Sampling, reward_columns, validation_rollouts
+        from .models.loading import eos_token_ids
+        from .validation.rollouts import Sampling, reward_columns, validation_rollouts
 
         contract, hp = self.contract, self.hparams
         sharded = is_sharded(self.policy, self.trainer.model)

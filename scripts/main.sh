@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRL_EXPERIMENTAL_SILENCE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m lightning_grpo.main_job "$@"
+exec .venv/bin/python -m lightning_grpo.cli.main_job "$@"

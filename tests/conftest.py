@@ -43,7 +43,7 @@ def no_leaked_processes():
 def tool_policy_path():
     """The state dict of the tiny policy taught to call `lookup` (see `tool_policy.py`).
 
-    Training it takes a few seconds, so it is kept in the cache folder (`lightning_grpo.smollm2.default_cache_dir`)
+    Training it takes a few seconds, so it is kept in the cache folder (`lightning_grpo.models.smollm2.default_cache_dir`)
     under a hash of its recipe, the chat template and the torch and transformers versions: the same file is
     trained again only when one of them changes.
     """

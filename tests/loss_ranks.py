@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_grpo.loss import LossContext, micro_batch_loss, packed_logprobs
-from lightning_grpo.loss_options import LossOptions
 from lightning_grpo.models import tiny_llama
+from lightning_grpo.training.loss import LossContext, micro_batch_loss, packed_logprobs
+from lightning_grpo.training.loss_options import LossOptions
 
 
 def step_gradient(micro_batches: list[dict], options: LossOptions, world_size: int = 1) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ from test_weight_sync import RecordingTransfer
 from lightning_grpo import RolloutContract
 from lightning_grpo.models import char_tokenizer
 from lightning_grpo.pipeline.batch import StepBatch
-from lightning_grpo.replay import StepReplay
+from lightning_grpo.training.replay import StepReplay
 
 
 class ReplaySource(StepReplay):

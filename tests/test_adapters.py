@@ -15,9 +15,9 @@ from test_policy import lora_policy
 
 from lightning_grpo._trl import iter_vllm_named_params
 from lightning_grpo.models import tiny_llama
-from lightning_grpo.policy import apply_peft
 from lightning_grpo.rollout.generator import EmbeddedGenerator, PolicySpec
 from lightning_grpo.rollout.sampling import teacher_forced_logprobs
+from lightning_grpo.training.policy import apply_peft
 from lightning_grpo.weights.adapters import adapter_tensors
 from lightning_grpo.weights.factory import nccl_manifest
 from lightning_grpo.weights.parameters import changed_names, generator_parameters

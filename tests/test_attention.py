@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from packed_rows import micro_batch, reference_logprobs, sample, shared_prompt_group
 from transformers import LlamaForCausalLM
 
-from lightning_grpo.attention import (
+from lightning_grpo.models import tiny_llama, tiny_llama_config
+from lightning_grpo.scoring.packing import pack_sequences
+from lightning_grpo.training.attention import (
     TRL_TREE_ATTENTION,
     TreeAttentionPlan,
     register_tree_attention,
@@ -18,8 +20,6 @@ from lightning_grpo.attention import (
     tree_model_kwargs,
     use_tree_attention,
 )
-from lightning_grpo.models import tiny_llama, tiny_llama_config
-from lightning_grpo.scoring.packing import pack_sequences
 
 TOLERANCE = 1e-5
 

@@ -12,10 +12,10 @@ import pandas as pd
 import pytest
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
-from lightning_grpo.completions import COMPLETIONS_CSV, completion_rows, log_completion_rows, markdown_table
 from lightning_grpo.pipeline.batch import StepBatch
 from lightning_grpo.rollout.records import RolloutSample
 from lightning_grpo.scoring.step import ScoredStep
+from lightning_grpo.training.completions import COMPLETIONS_CSV, completion_rows, log_completion_rows, markdown_table
 
 
 def sample(group_id: int, index: int, *, version: int = 3, fmt: float | None = 1.0) -> RolloutSample:

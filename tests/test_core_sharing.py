@@ -15,7 +15,7 @@ import torch
 from lightning_grpo.models import tiny_llama
 from lightning_grpo.rollout.core_sharing import CoreSharing
 from lightning_grpo.rollout.generator import EmbeddedGenerator
-from lightning_grpo.threads import borrow_idle_cores
+from lightning_grpo.training.threads import borrow_idle_cores
 
 
 @pytest.fixture

@@ -7,7 +7,13 @@ import json
 import pytest
 from datasets import Dataset
 
-from lightning_grpo.data import arithmetic_dataset, check_columns, check_reward_columns, load_prompts, reward_columns
+from lightning_grpo.data.sources import (
+    arithmetic_dataset,
+    check_columns,
+    check_reward_columns,
+    load_prompts,
+    reward_columns,
+)
 
 
 def test_arithmetic_is_reproducible_and_answers_are_right():

@@ -22,11 +22,11 @@ from processes import describe, wait_no_children
 from tiny_fits import cpu_trainer, tiny_datamodule
 
 from lightning_grpo.cli import main as cli_main
-from lightning_grpo.export import export_policy
+from lightning_grpo.cli.export import export_policy
 from lightning_grpo.models import load_policy, tiny_llama
 from lightning_grpo.module import GRPOModule
-from lightning_grpo.policy import CHECKPOINT_KEY
 from lightning_grpo.rollout.sampling import teacher_forced_logprobs
+from lightning_grpo.training.policy import CHECKPOINT_KEY
 
 PROMPTS = 4  # one group per optimizer step: 4 steps
 # One worker runs this module (under pytest-xdist, `PYTEST_WORKERS=2 ./scripts/test.sh`), so its tests share one fit.

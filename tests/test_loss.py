@@ -10,8 +10,8 @@ import pytest
 import torch
 from packed_rows import micro_batch, reference_logprobs, shared_prompt_group
 
-from lightning_grpo.loss import grpo_loss, packed_logprobs
 from lightning_grpo.models import tiny_llama
+from lightning_grpo.training.loss import grpo_loss, packed_logprobs
 
 EPS, EPS_HIGH, TEMPERATURE = 0.2, 0.28, 0.8
 
@@ -198,7 +198,7 @@ def test_under_min_p_top_k_and_top_p_the_trainer_scores_the_samplers_truncated_d
 
 
 def _packed_logits(model, mb) -> torch.Tensor:
-    from lightning_grpo.attention import tree_model_kwargs, use_tree_attention
+    from lightning_grpo.training.attention import tree_model_kwargs, use_tree_attention
 
     use_tree_attention(model)
     with torch.no_grad():

@@ -81,7 +81,7 @@ def test_defaults_are_grpo_trainers_but_the_three_the_readme_explains():
 
     from trl import GRPOConfig
 
-    from lightning_grpo.loss_options import LossOptions
+    from lightning_grpo.training.loss_options import LossOptions
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -14,8 +14,8 @@ import pytest
 import torch
 from trl_grpo import LogprobsModel, generate_and_score, grpo_trainer, loss_inputs, padded, trl_loss
 
-from lightning_grpo.loss import LossTerms, Normalizers, high_entropy_mask, policy_loss
-from lightning_grpo.loss_options import LossOptions
+from lightning_grpo.training.loss import LossTerms, Normalizers, high_entropy_mask, policy_loss
+from lightning_grpo.training.loss_options import LossOptions
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 LENGTHS = [3, 6, 2, 5, 4]

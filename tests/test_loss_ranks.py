@@ -14,7 +14,7 @@ from loss_ranks import step_gradient
 from packed_rows import collate_step, plan_step, rollout_group
 from test_scoring import run_ranks
 
-from lightning_grpo.loss_options import LossOptions
+from lightning_grpo.training.loss_options import LossOptions
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 

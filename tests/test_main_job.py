@@ -1,4 +1,4 @@
-"""The main job's driver (`python -m lightning_grpo.main_job`), run on the smoke config: the tiny random model stands
+"""The main job's driver (`python -m lightning_grpo.cli.main_job`), run on the smoke config: the tiny random model stands
 in for SmolLM2 (tests/test_smollm2.py proves the real model path; the README records a full run)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lightning_grpo.main_job import ACCURACY, main
+from lightning_grpo.cli.main_job import ACCURACY, main
 
 SMOKE = str(files("lightning_grpo.configs") / "smoke.yaml")
 PROGRESS = ("Training: ", "Validation at step ")

@@ -7,7 +7,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_grpo.attention import tree_model_kwargs, use_tree_attention
 from lightning_grpo.models import tiny_llama
 from lightning_grpo.scoring.packing import (
     chunk_inputs,
@@ -16,6 +15,7 @@ from lightning_grpo.scoring.packing import (
     pack_sequences,
     unpack_sequences,
 )
+from lightning_grpo.training.attention import tree_model_kwargs, use_tree_attention
 
 # sequences that often share prefixes: a few stems, each extended by a short tail
 _stem = st.lists(st.integers(0, 5), min_size=0, max_size=6)

@@ -1,4 +1,4 @@
-"""The policy as it trains (lightning_grpo/policy.py): a LoRA config checked at construction, only adapters in the
+"""The policy as it trains (lightning_grpo/training/policy.py): a LoRA config checked at construction, only adapters in the
 optimizer, activation checkpointing that gives the same gradients through tree attention, bf16 with float32
 log-probabilities. Real PEFT, the real tiny model, Lightning's own precision plugins."""
 
@@ -9,10 +9,10 @@ import torch
 from packed_rows import micro_batch, shared_prompt_group
 from peft import IA3Config, LoraConfig
 
-from lightning_grpo.loss import grpo_loss, packed_logprobs
 from lightning_grpo.models import tiny_llama
 from lightning_grpo.module import GRPOModule
-from lightning_grpo.policy import apply_peft, enable_activation_checkpointing, is_peft_model
+from lightning_grpo.training.loss import grpo_loss, packed_logprobs
+from lightning_grpo.training.policy import apply_peft, enable_activation_checkpointing, is_peft_model
 
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
 TINY_LAYERS = "embed_tokens, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"
@@ -108,8 +108,8 @@ def test_a_lora_policys_reference_is_the_policy_with_adapters_disabled_and_a_tra
     """GRPOTrainer under PEFT: the KL reference of fresh (zero) adapters is the base model, computed by disabling the
     adapters of the trained policy itself (no second copy of the weights); a PEFT model passed in with non-zero
     adapters keeps those adapters in its reference (a frozen copy of the initial policy)."""
-    from lightning_grpo.loss import LossContext
-    from lightning_grpo.reference import DisabledAdaptersReference, ReferenceModel
+    from lightning_grpo.training.loss import LossContext
+    from lightning_grpo.training.reference import DisabledAdaptersReference, ReferenceModel
 
     mb = packed_step()
     context = LossContext(temperature=0.8)

@@ -33,8 +33,8 @@ TRAINER_SIDE = (
     "lightning_grpo.module",
     "lightning_grpo.pipeline",
     "lightning_grpo.scoring",
-    "lightning_grpo.session",
-    "lightning_grpo.sharding",
+    "lightning_grpo.pipeline.session",
+    "lightning_grpo.training.sharding",
     "lightning_grpo.weights.sync",
 )
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from packed_rows import micro_batch, shared_prompt_group
 
-from lightning_grpo.attention import tree_model_kwargs, use_tree_attention
-from lightning_grpo.loss import packed_logprobs
 from lightning_grpo.models import tiny_llama
-from lightning_grpo.selected_logprobs import selected_logprobs
+from lightning_grpo.training.attention import tree_model_kwargs, use_tree_attention
+from lightning_grpo.training.loss import packed_logprobs
+from lightning_grpo.training.selected_logprobs import selected_logprobs
 
 VOCAB = 1000
 

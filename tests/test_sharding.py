@@ -19,7 +19,7 @@ from test_fit_processes import all_groups, run_fit
 
 from lightning_grpo import GRPOModule, RolloutSource
 from lightning_grpo.pipeline.batch import StepBatch
-from lightning_grpo.sharding import check_strategy
+from lightning_grpo.training.sharding import check_strategy
 from lightning_grpo.weights.parameters import generator_parameters
 
 # with a reference model mixed every step (TR-DPO): sharded like the policy, mixed shard by shard, checkpointed

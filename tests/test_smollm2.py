@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_grpo import GRPODataModule, GRPOModule, smollm2
-from lightning_grpo.smollm2 import SMOLLM2_NAME, smollm2_gguf, smollm2_path
+from lightning_grpo.models.smollm2 import SMOLLM2_NAME, smollm2_gguf, smollm2_path
 
 # One worker runs this module (under pytest-xdist, `PYTEST_WORKERS=2 ./scripts/test.sh`), so the model is converted once.
 pytestmark = pytest.mark.xdist_group("smollm2")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_grpo.step_metrics import StepMetrics, is_counter, log_step_metrics
+from lightning_grpo.training.step_metrics import StepMetrics, is_counter, log_step_metrics
 
 #: What each of four steps measures: a gauge only on some steps, a counter's increments (0 on a step without one).
 PLAN = [{"gauge": 1.0, "faults_total": 2.0}, {"faults_total": 0.0}, {"gauge": 3.0, "faults_total": 1.0}, {}]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_grpo import GRPODataModule, GRPOModule, threads
-from lightning_grpo.threads import trainer_threads_for
+from lightning_grpo.training.threads import trainer_threads_for
 
 SHARED_CPU = dict(on_cpu=True, embedded_generator=True, generator_threads=1, world_size=1)
 

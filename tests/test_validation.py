@@ -20,7 +20,7 @@ from tiny_fits import cpu_trainer, tiny_datamodule
 from lightning_grpo import GRPOModule
 from lightning_grpo.models import char_tokenizer
 from lightning_grpo.rollout.chat import render_prompt
-from lightning_grpo.validation_metrics import ValidationTally
+from lightning_grpo.validation.metrics import ValidationTally
 
 
 def brute_force(columns: np.ndarray, weights: np.ndarray, threshold: float) -> dict[str, float]:
@@ -133,9 +133,9 @@ def test_greedy_validation_with_several_generations_is_refused():
 def test_fixed_length_validation_runs_every_forward_of_every_turn_on_every_rank():
     """Under a sharded policy every rank must run the same forwards: `fixed_length` never stops at an EOS (here every
     token is one), and a rank whose conversations are done keeps generating while another rank reports some left."""
+    from lightning_grpo.data.tooling import ConversationSpec
     from lightning_grpo.models import tiny_llama
-    from lightning_grpo.tooling import ConversationSpec
-    from lightning_grpo.validation import Sampling, validation_rollouts
+    from lightning_grpo.validation.rollouts import Sampling, validation_rollouts
 
     policy = tiny_llama(seed=0)
     policy.generation_config.eos_token_id = list(range(100))  # a generate that stopped at an EOS would stop at once

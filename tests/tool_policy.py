@@ -185,7 +185,7 @@ def cached_tool_policy() -> Path:
     import transformers
 
     from lightning_grpo.models import CHATML_TEMPLATE
-    from lightning_grpo.smollm2 import default_cache_dir
+    from lightning_grpo.models.smollm2 import default_cache_dir
 
     recipe = [inspect.getsource(f) for f in (_training_sequences, train_tool_policy, lookup)]
     key = "\n".join([*recipe, CHATML_TEMPLATE, torch.__version__, transformers.__version__])

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from ..metrics import append_metric
 from ..rollout.records import RolloutSample
 from .ledger import RolloutProgress
+from .metrics import append_metric
 
 log = logging.getLogger(__name__)
 

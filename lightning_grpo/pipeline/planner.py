@@ -17,9 +17,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._trl import TreeRow
-from ..metrics import append_metric
 from ..rollout.records import RolloutSample
 from .ledger import RolloutProgress, RolloutStop
+from .metrics import append_metric
 
 log = logging.getLogger(__name__)
 

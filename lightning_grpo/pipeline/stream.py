@@ -16,12 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..metrics import reduce_metric
 from .batch import StepBatch
 from .collating import ProgressCollator
 from .filtering import SampleFilterQueue
 from .grouping import GroupedQueue
 from .ledger import RolloutProgress, RolloutStop
+from .metrics import reduce_metric
 from .planner import StepPlanner
 from .stopping import StopAwareDataset
 

@@ -26,7 +26,7 @@ from .._trl import (
     parse_response,
     supports_tool_calling,
 )
-from ..data import as_messages
+from ..data.sources import as_messages
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._trl import TrainingSequence, TurnRecord, _chain_to_sequences, parse_response
-from ..data import as_messages
+from ..data.sources import as_messages
 from .chat import PromptFormat, render_prompt, uses_raw_text
 
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..data import as_messages
+from ..data.sources import as_messages
 from .tool_calls import Counters, Rates, call_with_timeout, error_text
 
 log = logging.getLogger(__name__)

@@ -74,7 +74,7 @@ class PolicySpec:
         """The model, on CPU, in eval mode."""
         dtype = getattr(torch, self.dtype)
         if self.name is not None:
-            from ..models import load_policy
+            from ..models.loading import load_policy
 
             return load_policy(self.name, dtype=dtype).eval()
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -464,7 +464,7 @@ def _stop_strings(stop: Sequence[str] | None, tokenizer: Any, model: Any) -> Sto
             "`EmbeddedGenerator(stop=...)` needs the policy's tokenizer to find stop strings: pass `tokenizer=`."
         )
     if isinstance(tokenizer, str):
-        from ..models import load_tokenizer
+        from ..models.loading import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer)
     return StopStrings(stop, tokenizer)

@@ -133,7 +133,7 @@ def _build() -> Path:
 
     Concurrent builds (several processes starting at once) each write their own file and rename it into place.
     """
-    from ..smollm2 import default_cache_dir
+    from ..models.smollm2 import default_cache_dir
 
     compiler = _compiler()
     source = _SOURCE.read_bytes()

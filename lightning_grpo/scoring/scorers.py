@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..attention import tree_model_kwargs, use_tree_attention
 from ..rollout.records import SCORE_PAYLOAD, RolloutSample
+from ..training.attention import tree_model_kwargs, use_tree_attention
 from .packing import collate_sequences, unpack_sequences
 from .scorer import TrainerScorer, extra_uid
 

@@ -234,11 +234,11 @@ class VLLMServer:
         return ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
 
     def _model_path(self) -> str:
-        from ..models import TINY_MODEL
+        from ..models.tiny import TINY_MODEL
 
         if self.model == TINY_MODEL or self.model.startswith(TINY_MODEL + ":"):
             return save_tiny_model(self._run_dir / "model", self.model)
-        from ..models import _resolve_path
+        from ..models.loading import _resolve_path
 
         return _resolve_path(self.model)
 
@@ -320,7 +320,7 @@ class VLLMServer:
 
 def save_tiny_model(folder: str | os.PathLike, name: str = "tiny-random") -> str:
     """Write `load_policy(name)` and its character tokenizer to `folder` (fp32 safetensors) for vLLM to serve."""
-    from ..models import load_policy, load_tokenizer
+    from ..models.loading import load_policy, load_tokenizer
 
     folder = Path(folder)
     load_policy(name).save_pretrained(folder)

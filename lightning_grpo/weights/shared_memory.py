@@ -197,7 +197,7 @@ def _release(block: _Block, lock_fd: int, lock_path: str) -> None:
 def _module_manifest(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """A model's tensors as the generator holds them: a LoRA (PEFT) policy's base parameters under their base names
     (it receives merged weights), any other model's parameters with tied names kept as aliases."""
-    from ..policy import is_peft_model
+    from ..training.policy import is_peft_model
 
     if is_peft_model(model):
         from .parameters import generator_manifest

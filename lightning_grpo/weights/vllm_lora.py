@@ -73,7 +73,7 @@ class VLLMLoRAWeightTransfer(VLLMHTTPWeightTransfer):
         server_timeout: float = 240.0,
         request_timeout: float = 600.0,
     ) -> None:
-        from ..policy import is_peft_model
+        from ..training.policy import is_peft_model
 
         if not is_peft_model(model):
             raise ValueError(

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .rollout.advantages import compute_group_advantages
+from ..rollout.advantages import compute_group_advantages
 
 _KEYS = (
     "completions",

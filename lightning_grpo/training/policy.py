@@ -165,7 +165,7 @@ def _meta_policy(model: str | torch.nn.Module) -> torch.nn.Module | None:
         if config is None:
             return None
     else:
-        from .models import load_policy_config
+        from ..models.loading import load_policy_config
 
         config = load_policy_config(model)
     with torch.device("meta"):

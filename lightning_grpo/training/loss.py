@@ -54,7 +54,7 @@ def packed_logprobs(
     likely as the most likely one, the `top_k` most likely and the smallest set reaching `top_p` (`lightning_grpo.rollout.sampling.process_logits`, vLLM's processed logprobs)
     and renormalised; the sampled token always stays in the set, so an update that pushes it out of the trainer's
     truncation gives it a small log-probability rather than minus infinity. Without truncation and with a detached
-    entropy, `lightning_grpo.selected_logprobs` computes both a few rows at a time (the same values and gradient).
+    entropy, `lightning_grpo.training.selected_logprobs` computes both a few rows at a time (the same values and gradient).
 
     Args:
         model: a causal LM that takes `logits_to_keep` (transformers' decoder models do), on the batch's device.
@@ -96,7 +96,7 @@ def _truncated(
     logits: torch.Tensor, labels: torch.Tensor, top_k: int, top_p: float, min_p: float | None
 ) -> torch.Tensor:
     """`logits` with the tokens outside the sampler's min-p/top-k/top-p set at minus infinity (each label kept)."""
-    from .rollout.sampling import process_logits
+    from ..rollout.sampling import process_logits
 
     with torch.no_grad():
         keep = torch.isfinite(process_logits(logits, 1.0, top_k, top_p, min_p=min_p))

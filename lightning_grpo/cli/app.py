@@ -27,8 +27,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from .datamodule import GRPODataModule
-from .module import GRPOModule
+from ..datamodule import GRPODataModule
+from ..module import GRPOModule
 
 DESCRIPTION = "Asynchronous GRPO with PyTorch Lightning: fit or validate a GRPOModule on a GRPODataModule."
 
@@ -84,7 +84,7 @@ class GRPOLightningCLI(LightningCLI):
             callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
             wants_bar = trainer_config.get("enable_progress_bar") is not False
             if wants_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
-                from .callbacks import GRPOProgressBar
+                from ..callbacks import GRPOProgressBar
 
                 kwargs["callbacks"] = [*callbacks, GRPOProgressBar()]
         return super().instantiate_trainer(**kwargs)
@@ -126,11 +126,11 @@ def main(args: list[str] | None = None) -> None:
     `lightning-grpo vllm-serve --model NAME [--port 8000 ...]` starts a vLLM server for `generator="vllm"` from its
     own environment (see `lightning_grpo.serving.vllm_server`) and serves until Ctrl-C.
     `lightning-grpo export CHECKPOINT OUTPUT [--merged]` writes a checkpoint's policy as a Hugging Face folder, a LoRA
-    adapter alone or merged (see `lightning_grpo.export`).
+    adapter alone or merged (see `lightning_grpo.cli.export`).
     """
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["vllm-serve"]:
-        from .serving.vllm_server import main as vllm_serve
+        from ..serving.vllm_server import main as vllm_serve
 
         raise SystemExit(vllm_serve(argv[1:]))
     if argv[:1] == ["export"]:

@@ -21,8 +21,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
-from .pipeline.batch import StepBatch
-from .rollout.records import RolloutSample
+from ..pipeline.batch import StepBatch
+from ..rollout.records import RolloutSample
 
 #: File a `CSVLogger` gets the table in, beside `metrics.csv`.
 COMPLETIONS_CSV = "completions.csv"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._imports import import_object
-from .rollout.stop_strings import VLLM_MAX_STOP_STRINGS, check_stop
-from .session import LOOP_OPTION_NAMES
-from .threads import is_trainer_threads
+from .._imports import import_object
+from ..pipeline.session import LOOP_OPTION_NAMES
+from ..rollout.stop_strings import VLLM_MAX_STOP_STRINGS, check_stop
+from ..training.threads import is_trainer_threads
 
 
 def validate_options(hp: Any) -> None:
@@ -87,7 +87,7 @@ def resolve_loop_cls(spec: str | type | None) -> type | None:
     """The rollout loop class a `loop_cls` option names, checked to be a `GRPORolloutLoop` subclass."""
     if spec is None:
         return None
-    from .rollout.loop import GRPORolloutLoop
+    from ..rollout.loop import GRPORolloutLoop
 
     loop_cls = import_object(spec, "loop_cls") if isinstance(spec, str) else spec
     if not (isinstance(loop_cls, type) and issubclass(loop_cls, GRPORolloutLoop)):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 if TYPE_CHECKING:
-    from .rollout.core_sharing import CoreSharing
+    from ..rollout.core_sharing import CoreSharing
 
 TrainerThreads = int | Literal["auto"] | None
 

@@ -2,7 +2,7 @@
 
 The reduction follows TRL's async GRPO, so the same names mean the same thing: a `(numerator, denominator)` pair is a
 rate (Σnum / Σden, never a mean of ratios), a `total` word in the name is a counter (producers push increments,
-summed over the window; `lightning_grpo.step_metrics.StepMetrics` adds the windows up into the run's totals that get
+summed over the window; `lightning_grpo.training.step_metrics.StepMetrics` adds the windows up into the run's totals that get
 logged), a `max` or `min` word is an extremum, anything else is a gauge (window mean). NaN values are skipped.
 """
 

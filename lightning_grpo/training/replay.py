@@ -13,9 +13,9 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-from .contract import RolloutContract
-from .pipeline.batch import StepBatch
-from .weights.sync import WeightSync
+from ..contract import RolloutContract
+from ..pipeline.batch import StepBatch
+from ..weights.sync import WeightSync
 
 
 class StepReplay(pl.LightningDataModule):

@@ -1,7 +1,7 @@
 """The main job: held-out accuracy before training, a GRPO fit, held-out accuracy after, and a reward plot.
 
-    python -m lightning_grpo.main_job                                   # configs/arithmetic.yaml
-    python -m lightning_grpo.main_job --config my.yaml --trainer.max_steps 20
+    python -m lightning_grpo.cli.main_job                                   # configs/arithmetic.yaml
+    python -m lightning_grpo.cli.main_job --config my.yaml --trainer.max_steps 20
 
 Arguments are `lightning-grpo fit` arguments (the default config is the packaged `arithmetic.yaml`). It prints the
 held-out greedy accuracy before and after, the minutes the fit took and the peak memory, writes `reward.png`
@@ -31,7 +31,7 @@ ACCURACY = "val/rewards/accuracy"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from .cli import cli
+    from .app import cli
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--config" not in argv:

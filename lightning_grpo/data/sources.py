@@ -117,7 +117,7 @@ def reward_columns(func: Callable) -> set[str]:
 
 def check_reward_columns(dataset: Dataset, reward_funcs: Sequence[Callable], *, source: str) -> None:
     """Raise `ValueError` naming a reward function and the dataset columns it needs that `dataset` lacks."""
-    from ._trl import get_callable_name
+    from .._trl import get_callable_name
 
     problems = []
     for func in reward_funcs:

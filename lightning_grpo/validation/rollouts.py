@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .rollout.conversation import Conversation
-from .rollout.environments import prompt_of, tool_methods, with_observation
-from .rollout.tool_calls import ToolCaller
-from .tooling import ConversationSpec
+from ..data.tooling import ConversationSpec
+from ..rollout.conversation import Conversation
+from ..rollout.environments import prompt_of, tool_methods, with_observation
+from ..rollout.tool_calls import ToolCaller
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..data.tooling import ConversationSpec
+from .ledger import RolloutProgress
 from .metrics import MetricWindow
-from .pipeline.ledger import RolloutProgress
-from .pipeline.stream import RolloutPipeline
-from .tooling import ConversationSpec
+from .stream import RolloutPipeline
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class RolloutSession:
 
 
 def _make_worker(options: SessionOptions, progress: RolloutProgress, *, generator: Any, trainer_scored: bool) -> Any:
-    from .rollout.worker import GRPORolloutWorker
+    from ..rollout.worker import GRPORolloutWorker
 
     hp = options.hparams
     loop_options = dict(
@@ -212,7 +212,7 @@ def _planner_kwargs(options: SessionOptions, scorers: Sequence[Any]) -> dict[str
 
 
 def _make_collator(options: SessionOptions, progress: RolloutProgress, scorers: Sequence[Any]) -> Any:
-    from ._trl import get_callable_name
+    from .._trl import get_callable_name
 
     names = [get_callable_name(func) for func in options.reward_funcs] + options.conversation.reward_names
     hp = options.hparams
@@ -224,9 +224,9 @@ def _make_collator(options: SessionOptions, progress: RolloutProgress, scorers: 
         advantage_estimator=hp.advantage_estimator,
     )
     if not scorers:
-        from .pipeline.collating import ProgressCollator
+        from .collating import ProgressCollator
 
         return ProgressCollator(progress, **kwargs)
-    from .scoring.collator import ScoringCollator
+    from ..scoring.collator import ScoringCollator
 
     return ScoringCollator(progress, scorers=scorers, **kwargs)

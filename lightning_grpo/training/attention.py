@@ -213,7 +213,7 @@ def tree_attention(
     if query.shape[0] != 1:
         raise ValueError(f"Tree attention runs one packed row (batch size 1), got batch size {query.shape[0]}.")
     if _use_flash(query):
-        from ._trl import flash_tree_attention
+        from .._trl import flash_tree_attention
 
         return flash_tree_attention(
             module,
@@ -304,7 +304,7 @@ def _flash_kernel_loads() -> bool:
     if importlib.util.find_spec("kernels") is None:
         return False
     try:
-        from ._trl import flash_attention_kernel
+        from .._trl import flash_attention_kernel
 
         flash_attention_kernel()
     except Exception as err:  # no hub access, no wheel for this GPU, ...

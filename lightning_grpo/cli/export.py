@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .policy import CHECKPOINT_KEY, apply_peft, missing_trainable_keys, peft_config_from_dict
+from ..training.policy import CHECKPOINT_KEY, apply_peft, missing_trainable_keys, peft_config_from_dict
 
 _PREFIX = "policy."
 
@@ -46,7 +46,7 @@ def export_policy(
         FileNotFoundError: no checkpoint file at `checkpoint`.
         ValueError: the checkpoint names no policy and `model` is not given, or lacks the adapters its config needs.
     """
-    from .models import _resolve_path, load_policy, load_tokenizer
+    from ..models.loading import _resolve_path, load_policy, load_tokenizer
 
     state = _read_checkpoint(Path(checkpoint))
     record = state.get(CHECKPOINT_KEY) or {}

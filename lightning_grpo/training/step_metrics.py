@@ -21,7 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from .metrics import is_counter
+from ..pipeline.metrics import is_counter
 
 __all__ = ["StepMetrics", "is_counter", "log_step_metrics"]
 

