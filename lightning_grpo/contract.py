@@ -143,3 +143,17 @@ def require_rollout_source(datamodule: Any, who: str) -> RolloutSource:
             "through it."
         )
     return datamodule
+
+
+def require_policy_source(module: Any, who: str) -> PolicySource:
+    """`module`, checked to be a `PolicySource`.
+
+    Raises:
+        TypeError: naming `who` needs it and what it got.
+    """
+    if not isinstance(module, PolicySource):
+        raise TypeError(
+            f"{who} trains a GRPOModule (or a LightningModule with `policy`, `model_name` and `scorers`); "
+            f"got {type(module).__name__}."
+        )
+    return module

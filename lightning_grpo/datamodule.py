@@ -2,45 +2,49 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from datasets import Dataset
-from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from ._imports import resolve_callable
-from ._trl import get_callable_name
-from .contract import PolicySource, RolloutContract
+from ._lightning_noise import ignore_empty_val_loader, ignore_leafspec_deprecation
+from .contract import PolicySource, RolloutContract, require_policy_source
 from .data.options import checked_loop_kwargs, resolve_loop_cls, validate_options
-from .data.sources import check_columns, check_reward_columns, check_source, load_prompts
+from .data.preparation import build_contract, prepare_prompts
+from .data.sources import check_source
 from .data.tooling import ConversationSpec, resolve_environment_factory, resolve_tools
 from .pipeline.batch import StepBatch
 from .pipeline.ledger import RolloutProgress
-from .pipeline.planner import check_step_capacity
-from .pipeline.session import RolloutSession, SessionOptions
-from .pipeline.stream import StepStream
+from .pipeline.session import RolloutSession, start_rollout_session
+from .pipeline.step_size import check_group_fits, groups_per_step
+from .pipeline.stream import RolloutPipeline, StepStream
 from .rollout.core_sharing import CoreSharing
 from .rollout.schedule import GroupSchedule
-from .training.threads import borrow_idle_cores, trainer_threads_for
-from .weights.factory import (
-    changed_scope,
-    make_weight_transfer,
-    transfer_kind,
-    uses_adapter_only,
-    uses_trainable_only,
-)
+from .training.threads import FitThreads
+from .validation.scoring import ValidationScorer
+from .weights.factory import build_weight_sync
 from .weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., list[float | None]]
+
+# Arguments that may be objects: kept as given, out of the hyper-parameters (a checkpoint holds plain values only).
+_OBJECT_ARGUMENTS = [
+    "dataset",
+    "val_dataset",
+    "reward_funcs",
+    "loop_cls",
+    "loop_kwargs",
+    "weight_transfer",
+    "tools",
+    "environment_factory",
+]
 
 
 class GRPODataModule(pl.LightningDataModule):
@@ -201,18 +205,7 @@ class GRPODataModule(pl.LightningDataModule):
         prompt_format: Literal["auto", "chat", "text"] = "auto",
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(
-            ignore=[
-                "dataset",
-                "val_dataset",
-                "reward_funcs",
-                "loop_cls",
-                "loop_kwargs",
-                "weight_transfer",
-                "tools",
-                "environment_factory",
-            ]
-        )
+        self.save_hyperparameters(ignore=_OBJECT_ARGUMENTS)
         self.model_name = model
         self.tokenizer_name = tokenizer
         self.dataset_source = dataset
@@ -240,28 +233,24 @@ class GRPODataModule(pl.LightningDataModule):
         self._restored: dict[str, Any] = {}
         self._session: RolloutSession | None = None
         self._stream: StepStream | None = None
-        self._threads_before: int | None = None
-        self._core_sharing: CoreSharing | None = None
-        self._core_hooks: list[Any] = []
-        self._val_pool: Any = None
+        self._threads = FitThreads()
+        self._val_scorer = ValidationScorer(self.reward_funcs, timeout=reward_timeout)
 
     # -- setup (every rank; no processes) ---------------------------------------------------------------------------
 
     def setup(self, stage: str) -> None:
         """Load and check the prompts and the tokenizer, and build the contract; for `fit`, check that a group fits
         one optimizer step and build the weight sync. Nothing is spawned here."""
-        _ignore_lightning_leafspec_warning()
+        ignore_leafspec_deprecation()
         if self.train_prompts is None:
             self._load()
         if stage == "fit":
-            self._share_cores()
+            self._threads.apply(self.hparams, on_cpu=_on_cpu(self.trainer), world_size=self.trainer.world_size)
             self._check_step_capacity(self.trainer.world_size)
             self._make_weight_sync()
             world = self.trainer.world_size
             if world > 1 and dist.is_available() and dist.is_initialized() and self.process_group is None:
-                self.process_group = dist.new_group(
-                    backend="gloo"
-                )  # keeps pickled batches off the (NCCL) default group
+                self.process_group = dist.new_group(backend="gloo")  # pickled batches stay off the (NCCL) default group
 
     def check_data(self, world_size: int | None = None) -> None:
         """Load the prompts and the tokenizer now and check them, as `setup` does first (it then reuses them).
@@ -284,86 +273,23 @@ class GRPODataModule(pl.LightningDataModule):
 
     def _load(self) -> None:
         hp = self.hparams
-        prompts = load_prompts(self.dataset_source, size=hp.dataset_size, seed=hp.dataset_seed)
-        check_columns(prompts, {"prompt"}, source=f"`GRPODataModule(dataset={self.dataset_source!r})`")
-        check_reward_columns(prompts, self.reward_funcs, source=f"`GRPODataModule(dataset={self.dataset_source!r})`")
-        self.val_prompts = self._load_val_prompts()
-        self.tokenizer = self._load_tokenizer()
-        self.conversation = self._conversation_spec(prompts)
-        self.schedule = GroupSchedule(len(prompts), hp.epochs, hp.seed)
-        self._progress = RolloutProgress(epochs_done=len(self.schedule), stall_groups=hp.stall_groups or len(prompts))
-        if "progress" in self._restored:
-            self._progress.load_state_dict(self._restored["progress"])
-        names = (*(get_callable_name(func) for func in self.reward_funcs), *self.conversation.reward_names)
-        weights = tuple(hp.reward_weights[: len(names)]) if hp.reward_weights else (1.0,) * len(names)
-        self._contract = RolloutContract(
-            tokenizer=self.tokenizer,
-            temperature=hp.temperature,
-            top_p=hp.top_p,
-            top_k=hp.top_k,
-            max_completion_length=hp.max_completion_length,
-            reward_names=names,
-            reward_weights=weights,
-            multi_objective_aggregation=hp.multi_objective_aggregation,
-            scale_rewards=hp.scale_rewards,
-            mask_truncated_completions=hp.mask_truncated_completions,
-            advantage_estimator=hp.advantage_estimator,
-            min_p=hp.min_p,
-            conversation=self.conversation,
-        )
-        self.train_prompts = prompts
-
-    def _conversation_spec(self, prompts: Dataset) -> ConversationSpec:
-        """The tools, environments and prompt format, checked against the tokenizer and the first prompts."""
-        from .rollout.chat import ensure_tool_parser, prompt_problems
-
-        hp = self.hparams
-        spec = ConversationSpec(
-            tokenizer=self.tokenizer,
-            prompt_format=hp.prompt_format,
+        data = prepare_prompts(
+            hp,
+            dataset=self.dataset_source,
+            val_dataset=self.val_source,
+            reward_funcs=self.reward_funcs,
+            tokenizer_name=self.tokenizer_name or self.model_name or self._module_model_name(),
             tools=self.tools,
             environment_factory=self.environment_factory,
-            max_tool_calling_iterations=hp.max_tool_calling_iterations,
-            tool_timeout=hp.tool_timeout,
         )
-        sources = {"dataset": prompts, "val_dataset": self.val_prompts}
-        problems = [
-            f"{what}: {problem}"
-            for what, rows in sources.items()
-            if rows is not None and "prompt" in rows.column_names
-            for problem in prompt_problems(rows[0]["prompt"], self.tokenizer, hp.prompt_format, tools=spec.uses_tools)
-        ]
-        if problems:
-            raise ValueError(f"GRPODataModule cannot render its prompts: {'; '.join(problems)}.")
-        if spec.uses_tools and (note := ensure_tool_parser(self.tokenizer)):
-            rank_zero_warn(note)
-        return spec
-
-    def _load_val_prompts(self) -> Dataset | None:
-        source = self.val_source
-        if source is None and self.dataset_source == "arithmetic":
-            return load_prompts("arithmetic", size=self.hparams.val_size, seed=self.hparams.dataset_seed + 10_000)
-        if source is None:
-            return None
-        prompts = load_prompts(source, size=self.hparams.val_size)
-        check_columns(prompts, {"prompt"}, source=f"`GRPODataModule(val_dataset={source!r})`")
-        check_reward_columns(prompts, self.reward_funcs, source=f"`GRPODataModule(val_dataset={source!r})`")
-        return prompts
-
-    def _load_tokenizer(self) -> Any:
-        from .models.loading import load_tokenizer
-
-        name = self.tokenizer_name or self.model_name or self._module_model_name()
-        if name is None:
-            raise ValueError(
-                "GRPODataModule needs a tokenizer: pass `model=` (a name or path) or `tokenizer=`, or give the "
-                "GRPOModule its policy by name."
-            )
-        try:
-            return load_tokenizer(name)
-        except OSError as error:  # transformers' error for a name that is neither a folder nor a reachable Hub id
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise ValueError(f"`GRPODataModule` could not load the tokenizer {name!r}: {first_line}") from error
+        self.val_prompts, self.tokenizer, self.conversation = data.val_prompts, data.tokenizer, data.conversation
+        self.schedule = GroupSchedule(len(data.prompts), hp.epochs, hp.seed)
+        stall_groups = hp.stall_groups or len(data.prompts)
+        self._progress = RolloutProgress(epochs_done=len(self.schedule), stall_groups=stall_groups)
+        if "progress" in self._restored:
+            self._progress.load_state_dict(self._restored["progress"])
+        self._contract = build_contract(hp, data, self.reward_funcs)
+        self.train_prompts = data.prompts
 
     def _module_model_name(self) -> str | None:
         module = self.trainer.lightning_module if self.trainer is not None else None
@@ -371,84 +297,21 @@ class GRPODataModule(pl.LightningDataModule):
         return name if isinstance(name, str) else None
 
     def _check_step_capacity(self, world_size: int) -> None:
-        hp = self.hparams
-        longest = None
-        if hp.token_budget > 0:
-            longest = max(map(len, self._prompt_token_ids())) + hp.max_completion_length
-        check_step_capacity(
-            hp.num_generations,
-            hp.gradient_accumulation_steps,
-            world_size,
-            hp.token_budget,
-            hp.samples_per_row or hp.num_generations,
-            max_sample_tokens=longest,
-        )
+        check_group_fits(self.hparams, world_size, self._longest_prompt)
 
     def _make_weight_sync(self) -> None:
         if self.weight_sync is not None:
             return
-        hp = self.hparams
-        kind = transfer_kind(hp.generator, hp.vllm_transfer)
-        transfer = None
-        if self.trainer.is_global_zero:
-            transfer = self.weight_transfer or functools.partial(
-                make_weight_transfer,
-                hp.generator,
-                vllm_server_url=hp.vllm_server_url,
-                vllm_transfer=hp.vllm_transfer,
-                max_staleness=hp.max_staleness,
-            )
-        self.weight_sync = WeightSync(
-            transfer,
-            trainable_only=uses_trainable_only(kind),
-            changed_only=changed_scope(kind) if self.weight_transfer is None else None,  # yours may want every tensor
-            adapter_only=uses_adapter_only(kind),
-        )
+        is_zero = self.trainer.is_global_zero
+        self.weight_sync = build_weight_sync(self.hparams, self.weight_transfer, is_global_zero=is_zero)
         if "weight_sync" in self._restored:
             self.weight_sync.load_state_dict(self._restored["weight_sync"])
-
-    def _share_cores(self) -> None:
-        from lightning.pytorch.accelerators import CPUAccelerator
-
-        if self._threads_before is not None:  # already set by an earlier `fit` setup
-            return
-        hp = self.hparams
-        current = torch.get_num_threads()
-        threads = trainer_threads_for(
-            hp.trainer_threads,
-            current=current,
-            on_cpu=isinstance(self.trainer.accelerator, CPUAccelerator),
-            embedded_generator=hp.generator == "embedded",
-            generator_threads=hp.generator_threads,
-            world_size=self.trainer.world_size,
-        )
-        if threads is None:
-            return
-        self._threads_before = current
-        torch.set_num_threads(threads)
-        if hp.trainer_threads == "auto":  # a number asked for is used as given, never lent or borrowed
-            self._core_sharing = CoreSharing(trainer_threads=threads, generator_threads=hp.generator_threads)
-        log.info(
-            "Training with %d torch threads (was %d) beside the generator's %s%s.",
-            threads,
-            current,
-            hp.generator_threads,
-            ", each side borrowing the other's while it is idle" if self._core_sharing else "",
-        )
 
     @property
     def core_sharing(self) -> CoreSharing | None:
         """During a fit with `trainer_threads="auto"` on a shared CPU: the flags by which the trainer and the embedded
         generator run on each other's cores while the other is idle; otherwise None."""
-        return self._core_sharing
-
-    def _restore_threads(self) -> None:
-        for handle in self._core_hooks:
-            handle.remove()
-        self._core_hooks, self._core_sharing = [], None
-        before, self._threads_before = self._threads_before, None
-        if before is not None:
-            torch.set_num_threads(before)
+        return self._threads.core_sharing
 
     # -- the contract and state -------------------------------------------------------------------------------------
 
@@ -492,16 +355,7 @@ class GRPODataModule(pl.LightningDataModule):
 
     def progress_summary(self) -> dict[str, int] | None:
         """Rank 0's progress in prompt groups (see `RolloutSource.progress_summary`); None before `setup`."""
-        progress = self._progress
-        if progress is None:
-            return None
-        dropped = sum(progress.dropped.values()) + sum(progress.excluded.values())
-        return {
-            "groups_consumed": progress.settled(),
-            "groups_total": progress.epochs_done,
-            "groups_trained": progress.trained_total,
-            "groups_dropped": dropped,
-        }
+        return self._progress.summary() if self._progress is not None else None
 
     # -- training stream --------------------------------------------------------------------------------------------
 
@@ -513,11 +367,10 @@ class GRPODataModule(pl.LightningDataModule):
         `StepBatch`es (no collation, no workers), and a bare iterable with a length is what turns Lightning's
         one-ahead prefetch off without its warning about `IterableDataset`s in `DataLoader`s with `__len__`.
         """
-        module = self._policy_source()
+        module = require_policy_source(self.trainer.lightning_module, "GRPODataModule")
         self.weight_sync.push(module.policy, wrapped=self.trainer.model)
         source = self._start_session(module) if self.trainer.is_global_zero else None
-        if self._core_sharing is not None and not self._core_hooks:
-            self._core_hooks = borrow_idle_cores(module.policy, self._core_sharing)
+        self._threads.lend(module.policy)
         self._stream = StepStream(
             source,
             rank=self.trainer.global_rank,
@@ -544,106 +397,32 @@ class GRPODataModule(pl.LightningDataModule):
         """The stop item the training stream ended with (every rank), or None while it goes on."""
         return self._stream.stop if self._stream is not None else None
 
-    def _policy_source(self) -> PolicySource:
-        module = self.trainer.lightning_module
-        if not isinstance(module, PolicySource):
-            raise TypeError(
-                f"GRPODataModule trains a GRPOModule (or a LightningModule with `policy`, `model_name` and `scorers`); "
-                f"got {type(module).__name__}."
-            )
-        return module
-
-    def _start_session(self, module: PolicySource) -> RolloutSession:
+    def _start_session(self, module: PolicySource) -> RolloutPipeline:
         if self._session is not None:
             self._session.close()
-        hp = self.hparams
-        from .models.loading import eos_token_ids
-
-        eos = eos_token_ids(self.tokenizer, module.policy)
-        options = SessionOptions(
-            model_name=self.model_name or module.model_name or "policy",
-            dataset=self.train_prompts,
-            reward_funcs=self.reward_funcs,
-            tokenizer=self.tokenizer,
-            eos_token_ids=tuple(eos),
-            hparams=hp,
-            loop_cls=self.loop_cls,
-            loop_kwargs=self.loop_kwargs,
-            world_size=self.trainer.world_size,
-            groups_per_step=self.groups_per_step(),
-            lora_name=getattr(self.weight_sync.transfer, "lora_name", None),
-            conversation=self.conversation,
-            core_sharing=self._core_sharing,
-        )
-        self._session = RolloutSession.start(
-            options,
-            progress=self._progress,
-            scorers=list(module.scorers),
-            model_version=lambda: self.weight_sync.version,
-            generator=self._generator_spec(module, eos),
-        )
+        self._session = start_rollout_session(self, module)
         self.weight_sync.on_version(self._session.worker.update_model_version)
         return self._session.pipeline
 
     def groups_per_step(self) -> int:
         """Prompt groups in one optimizer step (the planner's cap and the pacing unit)."""
-        hp = self.hparams
-        rows = hp.gradient_accumulation_steps * self.trainer.world_size
-        if hp.token_budget > 0:
-            longest_prompt = max(len(ids) for ids in self._prompt_token_ids())
-            per_row = hp.token_budget // (longest_prompt + hp.num_generations * hp.max_completion_length)
-            return max(1, rows * max(1, per_row))
-        return max(1, rows * (hp.samples_per_row or hp.num_generations) // hp.num_generations)
+        return groups_per_step(self.hparams, self.trainer.world_size, self._longest_prompt)
 
-    def _prompt_token_ids(self) -> list[list[int]]:
-        return [self.conversation.render(row) for row in self.train_prompts]
-
-    def _generator_spec(self, module: PolicySource, eos: list[int]) -> Any:
-        if self.hparams.generator != "embedded":
-            return None
-        from .rollout.generator import GeneratorSpec, PolicySpec
-
-        hp = self.hparams
-        return GeneratorSpec(
-            PolicySpec.from_model(module.policy),
-            eos_token_ids=tuple(eos),
-            temperature=hp.temperature,
-            top_p=hp.top_p,
-            top_k=hp.top_k,
-            min_p=hp.min_p,
-            repetition_penalty=hp.repetition_penalty,
-            stop=hp.stop,
-            tokenizer=self.tokenizer if hp.stop else None,
-            max_tokens=hp.max_completion_length,
-            max_batch_size=max(hp.num_generations, 64),
-            weight_receiver=self.weight_sync.receiver(),
-            num_threads=hp.generator_threads,
-        )
+    def _longest_prompt(self) -> int:
+        return max(len(self.conversation.render(row)) for row in self.train_prompts)
 
     # -- validation -------------------------------------------------------------------------------------------------
 
     def val_dataloader(self) -> DataLoader | list:
         """Held-out prompts in batches of `val_batch_size` rows (lists of dicts); none without `val_dataset`."""
         if self.val_prompts is None:
-            # No held-out prompts means no validation, on purpose: Lightning's note about an empty loader is noise.
-            warnings.filterwarnings(
-                "ignore",
-                message=r"Total length of `list` across ranks is zero",
-                module=r"lightning\.pytorch\.utilities\.data",
-            )
+            ignore_empty_val_loader()
             return []
         return DataLoader(list(self.val_prompts), batch_size=self.hparams.val_batch_size, collate_fn=list)
 
     def score_completions(self, completions: list[list[dict]], rows: list[dict]) -> dict[str, list[float]]:
         """Every reward function's rewards for `completions` of `rows` (validation), through a process pool."""
-        from .rollout.reward_pool import RewardProcessPool
-
-        if self._val_pool is None:
-            self._val_pool = RewardProcessPool(self.reward_funcs, 1, timeout=self.hparams.reward_timeout)
-        columns = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion")}
-        kwargs = dict(completions=completions, prompts=[row["prompt"] for row in rows], completion_ids=None, **columns)
-        futures = [self._val_pool.submit(i, **kwargs) for i in range(len(self.reward_funcs))]
-        return {get_callable_name(f): future.result() for f, future in zip(self.reward_funcs, futures, strict=True)}
+        return self._val_scorer.score(completions, rows)
 
     # -- metrics ----------------------------------------------------------------------------------------------------
 
@@ -666,36 +445,18 @@ class GRPODataModule(pl.LightningDataModule):
         if sync is not None:
             self._restored["weight_sync"] = sync.state_dict()  # a later fit on this module goes on from here
             sync.close()
-        pool, self._val_pool = self._val_pool, None
-        if pool is not None:
-            pool.close()
+        self._val_scorer.close()
 
     def teardown(self, stage: str) -> None:
         self.close()
-        self._restore_threads()
+        self._threads.restore()
 
     def on_exception(self, exception: BaseException) -> None:
         self.close()
-        self._restore_threads()
+        self._threads.restore()
 
 
-def _identity(item: Any) -> Any:
-    return item
+def _on_cpu(trainer: pl.Trainer) -> bool:
+    from lightning.pytorch.accelerators import CPUAccelerator
 
-
-def _ignore_lightning_leafspec_warning() -> None:
-    """Lightning 2.6 wraps every loader it is handed in a `CombinedLoader` built with torch's deprecated `LeafSpec`:
-    a FutureWarning addressed to Lightning, printed at each fit and validation. Only that message, from that module."""
-    warnings.filterwarnings(
-        "ignore",
-        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-        category=FutureWarning,
-        module=r"lightning\.pytorch\.utilities\._pytree",
-    )
-
-
-def _eos_ids(tokenizer: Any, policy: Any) -> list[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    configured = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
-    ids.update([configured] if isinstance(configured, int) else configured or [])
-    return sorted(ids)
+    return isinstance(trainer.accelerator, CPUAccelerator)

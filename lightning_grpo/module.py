@@ -5,43 +5,36 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
 from peft import LoraConfig
 
-from ._imports import import_object
+from ._lightning_noise import ignore_manual_optimization_checkpoints
 from .contract import RolloutContract, require_rollout_source
-from .data.tooling import ConversationSpec
 from .pipeline.batch import MicroBatch, StepBatch
+from .scoring.scorer import resolve_scorer
+from .training.checkpoint import load_module_state, save_module_state
 from .training.loss import LossContext, LossStats, micro_batch_loss
-from .training.loss_options import ImportanceSamplingLevel, ImportanceSamplingMode, LossOptions, LossType, check_options
+from .training.loss_options import ImportanceSamplingLevel, ImportanceSamplingMode, LossType, module_loss_options
+from .training.loss_stats import metrics_over_ranks
+from .training.optimizers import build_optimizers, check_optimizer_options
 from .training.policy import (
-    CHECKPOINT_KEY,
     apply_peft,
     check_peft_config,
-    drop_frozen_weights,
     enable_activation_checkpointing,
     is_peft_model,
-    missing_trainable_keys,
-    policy_record,
     trainable_parameters,
 )
 from .training.reference import ReferenceModel, ReferencePolicy, adapters_start_at_zero, make_reference
-from .training.sharding import check_strategy, clip_gradient_norm, gradient_sync, is_fsdp2, is_sharded, shard_policy
+from .training.sharding import check_strategy, clip_gradient_norm, gradient_sync, shard_policy
 from .training.step_metrics import StepMetrics
 from .validation.metrics import ValidationTally, check_validation_options
+from .validation.step import log_tally, start_tally, validate_batch
 from .weights.adapters import adapter_config
-
-#: Checkpoint key of the reference model, present once `sync_ref_model` mixed it (it is the initial policy before).
-REFERENCE_KEY = "grpo_reference_model"
-#: Checkpoint key of the run's metric totals (`*_total`).
-METRIC_TOTALS_KEY = "grpo_metric_totals"
 
 log = logging.getLogger(__name__)
 
@@ -225,18 +218,16 @@ class GRPOModule(pl.LightningModule):
         val_pass_threshold: float = 1.0,
     ) -> None:
         super().__init__()
-        problems = [f"learning_rate={learning_rate}"] if not learning_rate > 0 else []
-        if warmup_steps < 0:
-            problems.append(f"warmup_steps={warmup_steps}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            problems.append(f"max_grad_norm={max_grad_norm}")
-        if problems:
-            raise ValueError(
-                f"`GRPOModule({', '.join(problems)})`: learning_rate and max_grad_norm must be positive, "
-                "warmup_steps at least 0."
-            )
-        _check_optimizer_options(
-            optimizer, lr_scheduler, learning_rate=learning_rate, weight_decay=weight_decay, betas=betas
+        defaults = {name: p.default for name, p in inspect.signature(GRPOModule.__init__).parameters.items()}
+        check_optimizer_options(
+            optimizer,
+            lr_scheduler,
+            defaults,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            max_grad_norm=max_grad_norm,
         )
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
@@ -248,33 +239,11 @@ class GRPOModule(pl.LightningModule):
         # The LoRA config goes in as plain JSON; callables stay out (the checkpoint is loaded with weights_only=True).
         self.save_hyperparameters(ignore=["model", "scorers", "peft_config", "optimizer", "lr_scheduler"])
         self.peft_config = peft_config
-        loss = {name: self.hparams[name] for name in LossOptions.__dataclass_fields__}
-        if vllm_importance_sampling_cap is not None:
-            warnings.warn(
-                "`GRPOModule(vllm_importance_sampling_cap=...)` is deprecated (as in TRL): use "
-                "`vllm_importance_sampling_clip_max`.",
-                FutureWarning,
-                stacklevel=2,
-            )
-            loss["vllm_importance_sampling_clip_max"] = vllm_importance_sampling_cap
-        self.loss_options = LossOptions(**loss)
-        check_options(
-            self.loss_options,
-            num_iterations=num_iterations,
-            sync_ref_model=sync_ref_model,
-            ref_model_mixup_alpha=ref_model_mixup_alpha,
-            ref_model_sync_steps=ref_model_sync_steps,
-        )
-        if sync_ref_model and peft_config is not None:
-            raise ValueError(
-                "`GRPOModule(sync_ref_model=True)` with a `peft_config`: the reference of a LoRA policy is the policy "
-                "with its adapters disabled, which TR-DPO cannot mix into (TRL refuses it too); set "
-                "`sync_ref_model=False` or train without LoRA."
-            )
+        self.loss_options = module_loss_options(self.hparams, lora=peft_config is not None)
         check_validation_options(num_generations_eval, val_temperature, val_max_tokens)
         self.model_name = model if isinstance(model, str) else None
         self.policy: Any = model if isinstance(model, torch.nn.Module) else None
-        self.scorers = [_resolve_scorer(scorer) for scorer in scorers or []]
+        self.scorers = [resolve_scorer(scorer) for scorer in scorers or []]
         if scorer_weights is not None and len(scorer_weights) != len(self.scorers):
             raise ValueError(
                 f"`GRPOModule(scorer_weights={scorer_weights})` needs one weight per scorer ({len(self.scorers)})."
@@ -300,9 +269,7 @@ class GRPOModule(pl.LightningModule):
         datamodule = require_rollout_source(self.trainer.datamodule, "GRPOModule")
         self.contract = datamodule.rollout_contract()
         check_strategy(self.trainer.strategy, self.trainer.world_size)
-        # GRPOModule optimizes manually by design and a checkpoint holds the weights after the step it counts, which is
-        # what a resume needs: Lightning's warning about that, printed at every save, says nothing to act on.
-        warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train")
+        ignore_manual_optimization_checkpoints()
 
     def configure_model(self) -> None:
         if self.policy is None:
@@ -333,122 +300,45 @@ class GRPOModule(pl.LightningModule):
                 scorer.to(self.device)
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        """The callbacks async GRPO needs, in the order they must run, unless the trainer already has them.
-
-        `WeightSyncCallback` pushes this step's weights; `RolloutStopCallback` then plans the next step (the
-        look-ahead); `RolloutMetricsCallback` logs what the rollout side measured up to there, the look-ahead's drops
-        included. Lightning appends the callbacks returned here after the trainer's, replacing the trainer's own of
-        the same types: a callback the trainer has is returned (moved) only when one before it in that order is
-        added or comes after it. A `CompletionsTableCallback` is added when the trainer has none; it may run anywhere.
-        """
-        from .callbacks import CompletionsTableCallback, RolloutMetricsCallback, RolloutStopCallback, WeightSyncCallback
+        """The callbacks async GRPO needs, in the order they must run, unless the trainer already has them (see
+        `lightning_grpo.callbacks.defaults.required_callbacks`)."""
+        from .callbacks.defaults import required_callbacks
 
         trainer = _trainer_of(self)
-        present = list(trainer.callbacks) if trainer is not None else []
-
-        def find(cls: type) -> pl.Callback | None:
-            return next((c for c in present if isinstance(c, cls)), None)
-
-        returned: list[pl.Callback] = []
-        position = -1
-        for cls in (WeightSyncCallback, RolloutStopCallback, RolloutMetricsCallback):
-            own = find(cls)
-            if own is None:
-                returned.append(cls())
-            elif returned or present.index(own) < position:
-                returned.append(own)
-            else:
-                position = present.index(own)
-        if find(CompletionsTableCallback) is None:
-            returned.append(CompletionsTableCallback())
-        return returned
+        return required_callbacks(list(trainer.callbacks) if trainer is not None else [])
 
     def configure_optimizers(self) -> dict[str, Any]:
         """The optimizer over the policy's parameters that require grad, and its per-step schedule (see the class)."""
         hp = self.hparams
-        parameters = list(trainable_parameters(self.policy))
-        if self.optimizer_factory is not None:
-            optimizer = self.optimizer_factory(parameters)
-        else:
-            optimizer = torch.optim.AdamW(
-                parameters, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
-            )
-        warmup = hp.warmup_steps
-        lr_scheduler = torch.optim.lr_scheduler
-        scheduler = lr_scheduler.LinearLR(optimizer, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup)
-        if self.lr_scheduler_factory is not None:
-            after = self.lr_scheduler_factory(optimizer)
-            scheduler = (
-                lr_scheduler.SequentialLR(optimizer, [scheduler, after], milestones=[warmup]) if warmup else after
-            )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return build_optimizers(
+            trainable_parameters(self.policy),
+            optimizer=self.optimizer_factory,
+            lr_scheduler=self.lr_scheduler_factory,
+            learning_rate=hp.learning_rate,
+            weight_decay=hp.weight_decay,
+            betas=hp.betas,
+            warmup_steps=hp.warmup_steps,
+        )
 
     # -- checkpoints ------------------------------------------------------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Every rank: describe the policy for `lightning-grpo export`, keep the metric totals; with LoRA, keep the adapters and drop the base
-        weights; add the reference model once a TR-DPO mix made it differ from the initial policy (before that,
-        `configure_model` rebuilds it from the policy it loads).
-
-        A sharded (FSDP2) policy's distributed checkpoint keeps the base weights: Lightning's sharded loader asks the
-        checkpoint for every tensor of the model, whatever `strict_loading` says.
-        """
-        checkpoint[CHECKPOINT_KEY] = policy_record(self.model_name, self.peft_config, self.hparams.dtype)
-        checkpoint[METRIC_TOTALS_KEY] = self.step_metrics.state_dict()
-        if isinstance(self.reference, ReferenceModel) and self.reference.mixed:
-            checkpoint[REFERENCE_KEY] = self.reference.state_dict()
-        if self.peft_config is not None and self.policy is not None and not is_fsdp2(self.policy):
-            checkpoint["state_dict"] = drop_frozen_weights(checkpoint["state_dict"], self.policy, prefix="policy.")
+        """Every rank: the policy's record for `lightning-grpo export`, the metric totals, a TR-DPO-mixed reference;
+        with LoRA only the adapters (see `lightning_grpo.training.checkpoint`)."""
+        save_module_state(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore the metric totals and a mixed reference model; with LoRA, refuse a checkpoint that lacks this policy's adapters (the base
-        weights are not in it)."""
-        self.step_metrics.load_state_dict(checkpoint.get(METRIC_TOTALS_KEY, {}))
-        reference = checkpoint.get(REFERENCE_KEY)
-        if reference is not None and isinstance(self.reference, ReferenceModel):
-            self.reference.load_state_dict(reference)
-        state = checkpoint.get("state_dict")  # none under FSDP2: the strategy loaded every tensor itself, strictly
-        if self.peft_config is None or self.policy is None or state is None:
-            return
-        missing = missing_trainable_keys(state, self.policy, prefix="policy.")
-        if missing:
-            raise ValueError(
-                f"The checkpoint has no {missing[:3]} ({len(missing)} of the policy's adapter tensors are missing): it "
-                "was not written by a GRPOModule with this `peft_config`. Resume with the `peft_config` (and model) "
-                "it was trained with."
-            )
+        """Restore the metric totals and a mixed reference; with LoRA, refuse a checkpoint without the adapters."""
+        load_module_state(self, checkpoint)
 
     # -- training ---------------------------------------------------------------------------------------------------
 
     def on_train_batch_start(self, batch: StepBatch, batch_idx: int) -> None:
         self._step_started = self._step_started or time.perf_counter()
         if self.scorers:
-            self._score(batch)
+            from .scoring.step import score_module_step
 
-    def _score(self, batch: StepBatch) -> None:
-        from .scoring.step import score_step
-
-        contract = self.contract
-        datamodule = self.trainer.datamodule
-        scored = score_step(
-            self,
-            batch,
-            scorers=self.scorers,
-            reward_weights=self._column_weights(),
-            aggregation=contract.multi_objective_aggregation,
-            scale_rewards=contract.scale_rewards,
-            mask_truncated_completions=contract.mask_truncated_completions,
-            progress=datamodule.progress,
-            group=datamodule.process_group,
-            advantage_estimator=contract.advantage_estimator,
-        )
-        self.scored_step = scored
-        if scored is not None and scored.metrics and self.trainer.is_global_zero:
-            self.step_metrics.add(self, scored.metrics)
-
-    def _column_weights(self) -> list[float]:
-        scorer_weights = self.hparams.scorer_weights or [1.0] * len(self.scorers)
-        return [*self.contract.reward_weights, *scorer_weights]
+            self.scored_step = score_module_step(self, batch)
 
     def on_fit_start(self) -> None:
         if isinstance(self.reference, ReferenceModel):
@@ -461,7 +351,7 @@ class GRPOModule(pl.LightningModule):
         micro_batches = [
             {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in mb.items()} for mb in batch.micro_batches
         ]
-        context = self._loss_context(len(micro_batches))
+        context = LossContext.for_step(self.contract, self.trainer.world_size, len(micro_batches))
         if self.reference is not None:
             for micro_batch in micro_batches:  # once per planned step, as GRPOTrainer does per generation
                 micro_batch["ref_log_probs"] = self.reference.logprobs(micro_batch, context)
@@ -474,18 +364,6 @@ class GRPOModule(pl.LightningModule):
             if _max_steps_reached(self.trainer):
                 break
         self._log_step(batch, stats, iterations, lr=lr, fwd_bwd_s=time.perf_counter() - started)
-
-    def _loss_context(self, num_micro_batches: int) -> LossContext:
-        contract = self.contract
-        return LossContext(
-            temperature=contract.temperature,
-            top_k=contract.top_k,
-            top_p=contract.top_p,
-            min_p=contract.min_p,
-            max_completion_length=contract.max_completion_length,
-            world_size=self.trainer.world_size,
-            num_micro_batches=num_micro_batches,
-        )
 
     def _optimizer_step(self, micro_batches: list[MicroBatch], context: LossContext, first: bool) -> LossStats:
         optimizer = self.optimizers()
@@ -516,12 +394,7 @@ class GRPOModule(pl.LightningModule):
             self.reference.mix(self.policy, hp.ref_model_mixup_alpha)
 
     def _log_step(self, batch: StepBatch, stats: LossStats, iterations: int, lr: float, fwd_bwd_s: float) -> None:
-        strategy = self.trainer.strategy
-        sums = strategy.reduce(stats.sums(), reduce_op="sum")
-        maxima = stats.maxima().clone()
-        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
-        metrics = stats.from_reduced(sums, maxima).metrics()
+        metrics = metrics_over_ranks(stats, self.trainer.strategy, self.trainer.world_size)
         for total in ("loss", "policy_loss"):  # the mean over this step's updates
             if total in metrics:
                 metrics[total] /= iterations
@@ -544,115 +417,17 @@ class GRPOModule(pl.LightningModule):
     # -- validation -------------------------------------------------------------------------------------------------
 
     def on_validation_epoch_start(self) -> None:
-        contract, hp = self.contract, self.hparams
-        self._val_tally = ValidationTally(
-            contract.reward_names, contract.reward_weights, hp.num_generations_eval, hp.val_pass_threshold
-        )
+        self._val_tally = start_tally(self)
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         """Every rank: conversations on this rank's held-out prompts, scored into this epoch's tally."""
-        from .models.loading import eos_token_ids
-        from .validation.rollouts import Sampling, reward_columns, validation_rollouts
-
-        contract, hp = self.contract, self.hparams
-        sharded = is_sharded(self.policy, self.trainer.model)
-        sampling = Sampling(
-            max_tokens=hp.val_max_tokens or contract.max_completion_length,
-            temperature=hp.val_temperature,
-            top_p=contract.top_p,
-            top_k=contract.top_k,
-            attention=self._generate_attention,
-            fixed_length=sharded,
-        )
-        rollouts = validation_rollouts(
-            self.policy,
-            batch,
-            self._conversation(),
-            sampling,
-            num_generations=hp.num_generations_eval,
-            eos_token_ids=eos_token_ids(contract.tokenizer, self.policy),
-            sync_active=self._most_active_over_ranks if sharded else None,
-        )
-        scored = self.trainer.datamodule.score_completions(rollouts.completions, rollouts.rows)
-        columns = reward_columns(rollouts, scored, list(contract.reward_names))
-        k = hp.num_generations_eval
-        for start in range(0, columns.shape[1], k):
-            self._val_tally.add_prompt(columns[:, start : start + k])
-        for conversation in rollouts.conversations:
-            self._val_tally.add_conversation(
-                conversation.tool_calls, conversation.tool_failures, conversation.loop_exhausted
-            )
+        validate_batch(self, batch, self._val_tally, attention=self._generate_attention)
 
     def on_validation_epoch_end(self) -> None:
         """Every rank: add the ranks' tallies (one all-reduce) and log `val/*`, NaN where nothing was scored."""
         tally, self._val_tally = self._val_tally, None
-        if tally is None:
-            return
-        totals = tally.tensor().to(self.device)
-        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(totals)
-        metrics = tally.metrics(totals.cpu(), tools=self._conversation().uses_tools)
-        reward = metrics.pop("val/reward")
-        # Every rank holds the same exact values already; "max" over ranks keeps them bit for bit.
-        self.log("val/reward", reward, on_epoch=True, prog_bar=True, sync_dist=True, reduce_fx="max")
-        self.log_dict(metrics, on_epoch=True, sync_dist=True, reduce_fx="max")
-
-    def _conversation(self) -> ConversationSpec:
-        return self.contract.conversation or ConversationSpec(tokenizer=self.contract.tokenizer)
-
-    def _most_active_over_ranks(self, active: int) -> int:
-        """The most conversations still running on any rank (every rank calls it once per validation turn)."""
-        value = torch.tensor([active], device=self.device)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-        return int(value.item())
-
-
-def _check_optimizer_options(optimizer: Any, lr_scheduler: Any, **adamw: Any) -> None:
-    """Warn that AdamW's own options are ignored beside an `optimizer`, and build the optimizer and the scheduler
-    once over a stand-in parameter, so that a bad argument of theirs fails now rather than inside fit."""
-    defaults = inspect.signature(GRPOModule.__init__).parameters
-    changed = [f"{key}={value}" for key, value in adamw.items() if _plain(value) != _plain(defaults[key].default)]
-    if optimizer is not None and changed:
-        rank_zero_warn(
-            f"`GRPOModule(optimizer=..., {', '.join(changed)})`: learning_rate, weight_decay and betas configure the "
-            "default AdamW only, so they are ignored; the optimizer's own arguments (`init_args` in YAML) apply."
-        )
-    probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    for name, factory, argument in (
-        ("optimizer", optimizer, [torch.nn.Parameter(torch.zeros(1))]),
-        ("lr_scheduler", lr_scheduler, probe),
-    ):
-        if factory is None:
-            continue
-        try:
-            built = factory(argument)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"`GRPOModule({name}=...)` cannot be built: {type(error).__name__}: {error}") from error
-        if isinstance(built, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise ValueError(
-                "`GRPOModule(lr_scheduler=ReduceLROnPlateau)` needs a monitored metric at each step; GRPOModule steps "
-                "its scheduler once per optimizer step without one. Use a step-based scheduler (CosineAnnealingLR, "
-                "LinearLR, OneCycleLR, ...)."
-            )
-
-
-def _plain(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list | tuple) else value
-
-
-def _resolve_scorer(scorer: Any) -> Any:
-    """A scorer instance, from an instance or an import path of an instance or of a zero-argument factory."""
-    from .scoring.scorer import TrainerScorer
-
-    if not isinstance(scorer, str):
-        return scorer
-    value = import_object(scorer, "scorers")
-    if not isinstance(value, TrainerScorer) and callable(value):
-        value = value()
-    if not isinstance(value, TrainerScorer):
-        raise ValueError(f"`scorers` entry {scorer!r} did not give a TrainerScorer but a {type(value).__name__}.")
-    return value
+        if tally is not None:
+            log_tally(self, tally)
 
 
 def _is_number(value: Any) -> bool:

@@ -128,7 +128,7 @@ def test_the_reference_mixes_as_tr_dpo_every_ref_model_sync_steps_and_never_othe
 def test_a_mixed_reference_is_checkpointed_and_restored_and_the_initial_one_is_not(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_grpo.module import REFERENCE_KEY
+    from lightning_grpo.training.checkpoint import REFERENCE_KEY
 
     checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
     module = GRPOModule("tiny-random", learning_rate=1e-2, beta=0.04, sync_ref_model=True, ref_model_sync_steps=2)

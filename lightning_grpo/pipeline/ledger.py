@@ -189,6 +189,15 @@ class RolloutProgress:
         """
         return self._stall_message() if self._stall_run >= self.stall_groups else None
 
+    def summary(self) -> dict[str, int]:
+        """`{"groups_consumed", "groups_total", "groups_trained", "groups_dropped"}` (dropped and excluded together)."""
+        return {
+            "groups_consumed": self.settled(),
+            "groups_total": self.epochs_done,
+            "groups_trained": self.trained_total,
+            "groups_dropped": sum(self.dropped.values()) + sum(self.excluded.values()),
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs, as plain ints, lists and dicts (Lightning loads checkpoints with weights_only=True).
 

@@ -230,3 +230,57 @@ def _make_collator(options: SessionOptions, progress: RolloutProgress, scorers: 
     from ..scoring.collator import ScoringCollator
 
     return ScoringCollator(progress, scorers=scorers, **kwargs)
+
+
+def embedded_generator_spec(hp: Any, policy: Any, eos: Sequence[int], tokenizer: Any, weight_receiver: Any) -> Any:
+    """The `GeneratorSpec` of the embedded generator under the data module's options `hp`; None for vLLM."""
+    if hp.generator != "embedded":
+        return None
+    from ..rollout.generator import GeneratorSpec, PolicySpec
+
+    return GeneratorSpec(
+        PolicySpec.from_model(policy),
+        eos_token_ids=tuple(eos),
+        temperature=hp.temperature,
+        top_p=hp.top_p,
+        top_k=hp.top_k,
+        min_p=hp.min_p,
+        repetition_penalty=hp.repetition_penalty,
+        stop=hp.stop,
+        tokenizer=tokenizer if hp.stop else None,
+        max_tokens=hp.max_completion_length,
+        max_batch_size=max(hp.num_generations, 64),
+        weight_receiver=weight_receiver,
+        num_threads=hp.generator_threads,
+    )
+
+
+def start_rollout_session(datamodule: Any, module: Any) -> RolloutSession:
+    """Rank 0: start the rollout session of `datamodule` (a `GRPODataModule` in `train_dataloader`, its prompts,
+    rewards, weight sync and threads set up) for `module`'s policy and scorers (a `PolicySource`)."""
+    from ..models.loading import eos_token_ids
+
+    hp, sync = datamodule.hparams, datamodule.weight_sync
+    eos = eos_token_ids(datamodule.tokenizer, module.policy)
+    options = SessionOptions(
+        model_name=datamodule.model_name or module.model_name or "policy",
+        dataset=datamodule.train_prompts,
+        reward_funcs=datamodule.reward_funcs,
+        tokenizer=datamodule.tokenizer,
+        eos_token_ids=tuple(eos),
+        hparams=hp,
+        loop_cls=datamodule.loop_cls,
+        loop_kwargs=datamodule.loop_kwargs,
+        world_size=datamodule.trainer.world_size,
+        groups_per_step=datamodule.groups_per_step(),
+        lora_name=getattr(sync.transfer, "lora_name", None),
+        conversation=datamodule.conversation,
+        core_sharing=datamodule.core_sharing,
+    )
+    return RolloutSession.start(
+        options,
+        progress=datamodule.progress,
+        scorers=list(module.scorers),
+        model_version=lambda: sync.version,
+        generator=embedded_generator_spec(hp, module.policy, eos, datamodule.tokenizer, sync.receiver()),
+    )

@@ -15,14 +15,12 @@ import contextvars
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .._trl import (
     RolloutGroup,
-    TrainingSequence,
     _AsyncRolloutLoop,
     add_response_schema,
     get_callable_name,
@@ -32,6 +30,7 @@ from .advantages import compute_group_advantages, learning_signal
 from .chat import conversation_chat_template, ensure_tool_parser
 from .conversation import Conversation, ConversationOptions
 from .environments import Environments, prompt_of, tool_methods, with_observation
+from .groups import Group, Rollout, assemble
 from .records import LEARNING_SIGNAL, SCORE_PAYLOAD, RolloutSample
 from .reward_pool import RewardProcessPool
 from .schedule import GroupSchedule
@@ -51,32 +50,6 @@ _turn_versions: contextvars.ContextVar[list[int] | None] = contextvars.ContextVa
 _turn_truncations: contextvars.ContextVar[list[bool | None] | None] = contextvars.ContextVar(
     "turn_truncations", default=None
 )
-
-
-@dataclass(slots=True)
-class _Rollout:
-    """One finished conversation of a group, as `_generate_one` returns it plus its environment reward."""
-
-    prompt: list[dict[str, Any]]
-    completion: list[dict[str, Any]]
-    completion_ids: list[int]
-    sequences: list[TrainingSequence]
-    tool_calls: int
-    tool_failures: int
-    rollout_reward: float | None
-    env_reward: tuple[type, float | None] | None  # (environment class, reward; None when get_reward failed)
-    model_version: int | None  # oldest weights that sampled a turn; None: no turn was sampled
-    env_failed: bool = False  # its environment's reset failed: every reward column is NaN
-    truncated: bool | None = None  # the last turn stopped at its token limit; None: unknown (judged by its EOS)
-
-
-@dataclass(slots=True)
-class _Group(RolloutGroup):
-    """TRL's `RolloutGroup` plus which rollouts' environments failed to reset (scored NaN in every column) and
-    whether each completion was truncated (an EOS id or a stop string ended it, or not)."""
-
-    env_failed: list[bool] = field(default_factory=list)
-    truncated: list[bool | None] = field(default_factory=list)
 
 
 class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
@@ -286,7 +259,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         ids = iter(self._scheduled_ids())
         next_id = next(ids, None)
         inflight: dict[asyncio.Task, int] = {}
-        groups: dict[int, tuple[RolloutGroup, list[_Rollout]]] = {}
+        groups: dict[int, tuple[RolloutGroup, list[Rollout]]] = {}
         self._generation_start_time = time.monotonic()
         paced_since: float | None = None
         try:
@@ -314,7 +287,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
                     self._total_completion_tokens += len(rollouts[-1].completion_ids)  # rollout/generated_tok_s
                     if len(rollouts) == self.num_generations:
                         del groups[group_id]
-                        if not await self._hand_to_scoring(_assemble(group, rollouts), stop_event):
+                        if not await self._hand_to_scoring(assemble(group, rollouts), stop_event):
                             return
         finally:
             for task in inflight:
@@ -324,9 +297,9 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
             with contextlib.suppress(asyncio.QueueFull):
                 self._groups_to_score.put_nowait(None)
 
-    def _start_group(self, group_id: int, inflight: dict[asyncio.Task, int]) -> tuple[RolloutGroup, list[_Rollout]]:
+    def _start_group(self, group_id: int, inflight: dict[asyncio.Task, int]) -> tuple[RolloutGroup, list[Rollout]]:
         row = self.dataset[self._schedule.prompt_index(group_id)]
-        group = _Group(
+        group = Group(
             prompts=[],
             reward_kwargs={
                 key: [row[key]] * self.num_generations
@@ -364,7 +337,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
             return True
         return False
 
-    async def _rollout(self, row: dict[str, Any], group_id: int) -> _Rollout:
+    async def _rollout(self, row: dict[str, Any], group_id: int) -> Rollout:
         """One conversation: take and reset an environment (if any), converse, score the environment's reward."""
         versions: list[int] = []
         _turn_versions.set(versions)  # this task's own context: concurrent rollouts do not see it
@@ -391,7 +364,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
             if environment is not None:
                 environments.release(name, environment)
         version = min(versions) if versions else None
-        return _Rollout(
+        return Rollout(
             prompt, completion, completion_ids, sequences, calls, failures, rollout_reward, env_reward, version,
             env_failed=not env_ok, truncated=truncations[-1] if truncations else None,
         )  # fmt: skip
@@ -462,7 +435,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         if self._provides_rollout_reward:
             columns.append(list(group.rollout_rewards))
         table = np.array([[np.nan if r is None else float(r) for r in column] for column in columns], dtype=np.float64)
-        failed = getattr(group, "env_failed", None)  # a `_Group`; a subclass may build TRL's own RolloutGroup
+        failed = getattr(group, "env_failed", None)  # a `Group`; a subclass may build TRL's own RolloutGroup
         if failed and any(failed):
             table[:, np.asarray(failed, dtype=bool)] = np.nan
         return table
@@ -542,7 +515,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
                 calls, failed = group.tool_call_counts[i], group.tool_failure_counts[i]
                 metrics["tools/call_frequency"] = float(calls)
                 metrics["tools/failure_frequency"] = failed / calls if calls else 0.0
-            truncated = group.truncated[i] if isinstance(group, _Group) else None
+            truncated = group.truncated[i] if isinstance(group, Group) else None
             if truncated is None:
                 truncated = not completion_ids or completion_ids[-1] not in eos
             sample_extras = extras if signal is None else {**extras, LEARNING_SIGNAL: float(signal[i])}
@@ -575,31 +548,6 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
                 self._pool.close()
             if self._generator is not None:
                 self._generator.close()
-
-
-def _assemble(group: RolloutGroup, rollouts: list[_Rollout]) -> RolloutGroup:
-    """Fill `group` from its finished rollouts.
-
-    The group's version becomes that of the oldest weights that sampled any turn of any of its conversations (a
-    sync can land while a group is being generated, or between the turns of one conversation), so staleness is never
-    under-counted and a group tagged with the new version was sampled by the new weights only.
-    """
-    versions = [r.model_version for r in rollouts if r.model_version is not None]
-    if versions:
-        group.model_version = min(versions)
-    for rollout in rollouts:
-        group.prompts.append(rollout.prompt)
-        group.completions.append(rollout.completion)
-        group.completions_ids.append(rollout.completion_ids)
-        group.completions_sequences.append(rollout.sequences)
-        group.tool_call_counts.append(rollout.tool_calls)
-        group.tool_failure_counts.append(rollout.tool_failures)
-        group.rollout_rewards.append(rollout.rollout_reward)
-        group.env_rewards.append(rollout.env_reward)
-        if isinstance(group, _Group):
-            group.env_failed.append(rollout.env_failed)
-            group.truncated.append(rollout.truncated)
-    return group
 
 
 def _ensure_response_parser(tokenizer: Any, needs_tools: bool) -> None:

@@ -89,3 +89,21 @@ class TrainerScorer(ABC):
         Returns:
             `(rewards, metrics)`: `(G,)` rewards, NaN where not scored, and floats averaged over the step's groups.
         """
+
+
+def resolve_scorer(scorer: Any) -> TrainerScorer:
+    """A scorer instance, from an instance or an import path of an instance or of a zero-argument factory.
+
+    Raises:
+        ValueError: the path does not import, or does not give a `TrainerScorer`.
+    """
+    from .._imports import import_object
+
+    if not isinstance(scorer, str):
+        return scorer
+    value = import_object(scorer, "scorers")
+    if not isinstance(value, TrainerScorer) and callable(value):
+        value = value()
+    if not isinstance(value, TrainerScorer):
+        raise ValueError(f"`scorers` entry {scorer!r} did not give a TrainerScorer but a {type(value).__name__}.")
+    return value

@@ -379,3 +379,25 @@ def _report(
         truncated = table.truncated[index][members]
         reason = "truncated" if mask_truncated_completions and (signal & truncated).any() else "no_signal"
         progress.exclude(group_id, reason)
+
+
+def score_module_step(module: Any, step: StepBatch) -> ScoredStep | None:
+    """`score_step` with a `GRPOModule`'s scorers and weights and its data module's contract, progress and group;
+    rank 0 adds the scoring metrics to the step's row. Every rank calls it."""
+    contract, datamodule = module.contract, module.trainer.datamodule
+    scorer_weights = module.hparams.scorer_weights or [1.0] * len(module.scorers)
+    scored = score_step(
+        module,
+        step,
+        scorers=module.scorers,
+        reward_weights=[*contract.reward_weights, *scorer_weights],
+        aggregation=contract.multi_objective_aggregation,
+        scale_rewards=contract.scale_rewards,
+        mask_truncated_completions=contract.mask_truncated_completions,
+        progress=datamodule.progress,
+        group=datamodule.process_group,
+        advantage_estimator=contract.advantage_estimator,
+    )
+    if scored is not None and scored.metrics and module.trainer.is_global_zero:
+        module.step_metrics.add(module, scored.metrics)
+    return scored

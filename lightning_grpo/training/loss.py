@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -457,6 +458,19 @@ class LossContext:
     max_completion_length: int = 1
     world_size: int = 1
     num_micro_batches: int = 1
+
+    @classmethod
+    def for_step(cls, contract: Any, world_size: int, num_micro_batches: int) -> LossContext:
+        """The context of one optimizer step under a `RolloutContract`."""
+        return cls(
+            temperature=contract.temperature,
+            top_k=contract.top_k,
+            top_p=contract.top_p,
+            min_p=contract.min_p,
+            max_completion_length=contract.max_completion_length,
+            world_size=world_size,
+            num_micro_batches=num_micro_batches,
+        )
 
 
 def micro_batch_loss(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -100,3 +101,13 @@ def _stack(values: dict[str, torch.Tensor]) -> torch.Tensor:
     if not values:
         return torch.zeros(0)
     return torch.stack([values[name].float().reshape(()) for name in sorted(values)])
+
+
+def metrics_over_ranks(stats: LossStats, strategy: Any, world_size: int) -> dict[str, float]:
+    """The metrics of every rank's `stats` together: sums reduced with the strategy, extremes with one MAX
+    all-reduce (every rank calls it)."""
+    sums = strategy.reduce(stats.sums(), reduce_op="sum")
+    maxima = stats.maxima().clone()
+    if world_size > 1 and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
+    return stats.from_reduced(sums, maxima).metrics()

@@ -9,6 +9,7 @@ each decoder layer, forward and backward, through the hooks `borrow_idle_cores` 
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
     from ..rollout.core_sharing import CoreSharing
 
 TrainerThreads = int | Literal["auto"] | None
+
+log = logging.getLogger(__name__)
 
 
 def available_cores() -> int:
@@ -92,3 +95,61 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
     return None
+
+
+class FitThreads:
+    """The trainer's torch threads during one fit, and the core sharing with the embedded generator.
+
+    `apply` sets the threads `trainer_threads_for` chooses (once per fit; a later `setup` keeps them), `lend` hooks
+    the policy so that it borrows the generator's idle cores, and `restore` puts the thread count back and removes
+    the hooks.
+    """
+
+    def __init__(self) -> None:
+        self.core_sharing: CoreSharing | None = None
+        self._before: int | None = None
+        self._hooks: list[Any] = []
+
+    def apply(self, hp: Any, *, on_cpu: bool, world_size: int) -> None:
+        """Set the trainer's threads from the data module's options `hp` (`trainer_threads`, `generator`,
+        `generator_threads`)."""
+        from ..rollout.core_sharing import CoreSharing
+
+        if self._before is not None:  # already set by an earlier `fit` setup
+            return
+        current = torch.get_num_threads()
+        threads = trainer_threads_for(
+            hp.trainer_threads,
+            current=current,
+            on_cpu=on_cpu,
+            embedded_generator=hp.generator == "embedded",
+            generator_threads=hp.generator_threads,
+            world_size=world_size,
+        )
+        if threads is None:
+            return
+        self._before = current
+        torch.set_num_threads(threads)
+        if hp.trainer_threads == "auto":  # a number asked for is used as given, never lent or borrowed
+            self.core_sharing = CoreSharing(trainer_threads=threads, generator_threads=hp.generator_threads)
+        log.info(
+            "Training with %d torch threads (was %d) beside the generator's %s%s.",
+            threads,
+            current,
+            hp.generator_threads,
+            ", each side borrowing the other's while it is idle" if self.core_sharing else "",
+        )
+
+    def lend(self, policy: torch.nn.Module) -> None:
+        """With core sharing, hook `policy` to borrow the generator's idle cores (once)."""
+        if self.core_sharing is not None and not self._hooks:
+            self._hooks = borrow_idle_cores(policy, self.core_sharing)
+
+    def restore(self) -> None:
+        """Remove the hooks and put the thread count back as it was before `apply`."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self.core_sharing = [], None
+        before, self._before = self._before, None
+        if before is not None:
+            torch.set_num_threads(before)

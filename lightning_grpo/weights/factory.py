@@ -125,3 +125,28 @@ def nccl_manifest(model: torch.nn.Module) -> dict[str, list]:
         dtype_names.append(str(param.dtype).removeprefix("torch."))
         shapes.append(list(param.shape))
     return {"names": names, "dtype_names": dtype_names, "shapes": shapes}
+
+
+def build_weight_sync(hp: Any, weight_transfer: Any, *, is_global_zero: bool) -> Any:
+    """The data module's `WeightSync`: on rank 0 with `weight_transfer` (yours) or the backend that `hp.generator` and
+    `hp.vllm_transfer` name; elsewhere with none (only rank 0 talks to the generator)."""
+    import functools
+
+    from .sync import WeightSync
+
+    kind = transfer_kind(hp.generator, hp.vllm_transfer)
+    transfer = None
+    if is_global_zero:
+        transfer = weight_transfer or functools.partial(
+            make_weight_transfer,
+            hp.generator,
+            vllm_server_url=hp.vllm_server_url,
+            vllm_transfer=hp.vllm_transfer,
+            max_staleness=hp.max_staleness,
+        )
+    return WeightSync(
+        transfer,
+        trainable_only=uses_trainable_only(kind),
+        changed_only=changed_scope(kind) if weight_transfer is None else None,  # yours may want every tensor
+        adapter_only=uses_adapter_only(kind),
+    )

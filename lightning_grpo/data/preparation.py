@@ -1,0 +1,139 @@
+"""What `GRPODataModule` loads and checks before anything starts: the prompts, the held-out prompts, the tokenizer,
+the conversations (tools, environments, prompt format) and the `RolloutContract` built from them.
+
+Every check here runs on every rank at `setup` (and from `lightning-grpo` before the trainer starts), so a dataset
+without a column a reward needs, or a tokenizer that cannot render the prompts, fails with one line naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from datasets import Dataset
+from lightning.pytorch.utilities import rank_zero_warn
+
+from .._trl import get_callable_name
+from ..contract import RolloutContract
+from .sources import check_columns, check_reward_columns, load_prompts
+from .tooling import ConversationSpec
+
+#: Held-out arithmetic prompts come from another seed than the training ones.
+VAL_SEED_OFFSET = 10_000
+
+
+@dataclass
+class PromptData:
+    """The loaded and checked inputs of one run."""
+
+    prompts: Dataset
+    val_prompts: Dataset | None
+    tokenizer: Any
+    conversation: ConversationSpec
+
+
+def prepare_prompts(
+    hp: Any,
+    *,
+    dataset: Any,
+    val_dataset: Any,
+    reward_funcs: Sequence[Callable],
+    tokenizer_name: str | None,
+    tools: Any,
+    environment_factory: Any,
+) -> PromptData:
+    """Load the prompts (and held-out prompts), check their columns, load the tokenizer and check that it renders
+    them in the configured prompt format.
+
+    Raises:
+        ValueError: a missing column (named, with the dataset), no tokenizer name or one that does not load, a prompt
+            the tokenizer cannot render.
+    """
+    prompts = load_prompts(dataset, size=hp.dataset_size, seed=hp.dataset_seed)
+    _check(prompts, reward_funcs, f"`GRPODataModule(dataset={dataset!r})`")
+    val_prompts = _load_val_prompts(hp, dataset, val_dataset, reward_funcs)
+    tokenizer = load_named_tokenizer(tokenizer_name)
+    conversation = ConversationSpec(
+        tokenizer=tokenizer,
+        prompt_format=hp.prompt_format,
+        tools=tools,
+        environment_factory=environment_factory,
+        max_tool_calling_iterations=hp.max_tool_calling_iterations,
+        tool_timeout=hp.tool_timeout,
+    )
+    _check_rendering(conversation, hp.prompt_format, {"dataset": prompts, "val_dataset": val_prompts})
+    return PromptData(prompts, val_prompts, tokenizer, conversation)
+
+
+def build_contract(hp: Any, data: PromptData, reward_funcs: Sequence[Callable]) -> RolloutContract:
+    """The `RolloutContract` of these prompts under the data module's options (`hp`)."""
+    names = (*(get_callable_name(func) for func in reward_funcs), *data.conversation.reward_names)
+    weights = tuple(hp.reward_weights[: len(names)]) if hp.reward_weights else (1.0,) * len(names)
+    return RolloutContract(
+        tokenizer=data.tokenizer,
+        temperature=hp.temperature,
+        top_p=hp.top_p,
+        top_k=hp.top_k,
+        max_completion_length=hp.max_completion_length,
+        reward_names=names,
+        reward_weights=weights,
+        multi_objective_aggregation=hp.multi_objective_aggregation,
+        scale_rewards=hp.scale_rewards,
+        mask_truncated_completions=hp.mask_truncated_completions,
+        advantage_estimator=hp.advantage_estimator,
+        min_p=hp.min_p,
+        conversation=data.conversation,
+    )
+
+
+def load_named_tokenizer(name: str | None) -> Any:
+    """`load_tokenizer(name)`, with an error that says which name failed and how to give one.
+
+    Raises:
+        ValueError: no name, or a name that is neither a folder nor a reachable Hub id.
+    """
+    from ..models.loading import load_tokenizer
+
+    if name is None:
+        raise ValueError(
+            "GRPODataModule needs a tokenizer: pass `model=` (a name or path) or `tokenizer=`, or give the "
+            "GRPOModule its policy by name."
+        )
+    try:
+        return load_tokenizer(name)
+    except OSError as error:  # transformers' error for a name that is neither a folder nor a reachable Hub id
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"`GRPODataModule` could not load the tokenizer {name!r}: {first_line}") from error
+
+
+def _check(prompts: Dataset, reward_funcs: Sequence[Callable], source: str) -> None:
+    check_columns(prompts, {"prompt"}, source=source)
+    check_reward_columns(prompts, reward_funcs, source=source)
+
+
+def _load_val_prompts(hp: Any, dataset: Any, val_dataset: Any, reward_funcs: Sequence[Callable]) -> Dataset | None:
+    if val_dataset is None and dataset == "arithmetic":
+        return load_prompts("arithmetic", size=hp.val_size, seed=hp.dataset_seed + VAL_SEED_OFFSET)
+    if val_dataset is None:
+        return None
+    prompts = load_prompts(val_dataset, size=hp.val_size)
+    _check(prompts, reward_funcs, f"`GRPODataModule(val_dataset={val_dataset!r})`")
+    return prompts
+
+
+def _check_rendering(conversation: ConversationSpec, prompt_format: str, sources: dict[str, Dataset | None]) -> None:
+    """The first prompt of each source renders in `prompt_format` with this tokenizer (and its tools)."""
+    from ..rollout.chat import ensure_tool_parser, prompt_problems
+
+    tokenizer = conversation.tokenizer
+    problems = [
+        f"{what}: {problem}"
+        for what, rows in sources.items()
+        if rows is not None and "prompt" in rows.column_names
+        for problem in prompt_problems(rows[0]["prompt"], tokenizer, prompt_format, tools=conversation.uses_tools)
+    ]
+    if problems:
+        raise ValueError(f"GRPODataModule cannot render its prompts: {'; '.join(problems)}.")
+    if conversation.uses_tools and (note := ensure_tool_parser(tokenizer)):
+        rank_zero_warn(note)
