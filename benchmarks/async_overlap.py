@@ -29,17 +29,12 @@ Usage: `python benchmarks/async_overlap.py [--model smollm2|tiny] [--prompts 32]
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
+import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
 import lightning.pytorch as pl  # noqa: E402
 import pandas as pd  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
@@ -47,7 +42,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning_grpo import GRPODataModule, GRPOModule  # noqa: E402
 from lightning_grpo.rollout import start_method  # noqa: E402
 
-MODELS = {"smollm2": "smollm2-135m-instruct", "tiny": "tiny-random"}
+MODELS = common.MODELS
 # A random model is never exactly right: the tiny model gets partial credit so its groups carry a signal.
 REWARDS = {"smollm2": ["lightning_grpo.rewards.accuracy"], "tiny": ["lightning_grpo.rewards.numeric_closeness"]}
 # name: (max_staleness, trainer_threads; None keeps torch's default, one thread per core).
@@ -88,19 +83,7 @@ def run_fit(model: str, prompts: int, max_staleness: int, threads: int | str | N
     )
     module = GRPOModule(MODELS[model], learning_rate=2e-5)
     clock = StepClock(datamodule)
-    trainer = pl.Trainer(
-        callbacks=[clock],
-        accelerator="cpu",
-        devices=1,
-        max_epochs=-1,
-        logger=CSVLogger(out),
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
+    trainer = common.quiet_cpu_trainer(callbacks=[clock], logger=CSVLogger(out))
     started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule)
     ended = time.perf_counter()
@@ -130,7 +113,7 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), default=["async", "sync"])
     args = parser.parse_args()
     print(
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; model {MODELS[args.model]}, "
+        f"{common.machine()}; model {MODELS[args.model]}, "
         f"{args.prompts} prompts x 8 completions, 4 groups per optimizer step",
         flush=True,
     )

@@ -20,16 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
+import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
 import lightning.pytorch as pl  # noqa: E402
 import numpy as np  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
@@ -70,17 +65,6 @@ def step_batch(num_samples: int, completion_chars: int, seed: int = 0) -> StepBa
     return StepBatch(group_ids=sorted({s.group_id for s in samples}), reward_names=REWARD_NAMES, samples=samples)
 
 
-def timed(function: Callable[[], None], warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        function()
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=32, help="rollouts in the step (a multiple of 8)")
@@ -109,8 +93,8 @@ def main() -> None:
                 logger.log_metrics(row, step=step)
                 logger.save()
 
-        table_s = timed(table, args.warmup, args.reps)
-        row_s = timed(metrics_row, args.warmup, args.reps)
+        table_s = common.median_seconds(table, args.warmup, args.reps)
+        row_s = common.median_seconds(metrics_row, args.warmup, args.reps)
         table_bytes = (Path(loggers[0].log_dir) / "completions.csv").stat().st_size / (args.warmup + args.reps)
 
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}")
@@ -125,7 +109,7 @@ def main() -> None:
         model = load_policy(MODELS[name])
         samples = make_samples(args.samples // GROUP_SIZE, model.config.vocab_size)
         step, _ = packed_step(model, samples)
-        step_s = timed(step, args.warmup, max(3, args.reps // 4))
+        step_s = common.median_seconds(step, args.warmup, max(3, args.reps // 4))
         print(
             f"| train step, {name} ({args.samples} samples, packed) | {step_s * 1e3:.1f} | | table = {table_s / step_s:.1%} |"
         )

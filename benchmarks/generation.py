@@ -34,14 +34,12 @@ import copy
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
+import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from static_batcher import StaticBatcher  # noqa: E402  (benchmarks/static_batcher.py)
@@ -310,7 +308,7 @@ def bench_weight_sync(model_name: str, reps: int) -> None:
 
 def header() -> None:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = common.git_commit()
     except OSError:
         commit = "?"
     print(

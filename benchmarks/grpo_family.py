@@ -17,15 +17,10 @@ Usage: `python benchmarks/grpo_family.py [--model tiny|smollm2] [--groups 2] [--
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import subprocess
 import warnings
 
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
+import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
 import lightning.pytorch as pl  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -38,7 +33,7 @@ from lightning_grpo.rollout.records import RolloutSample  # noqa: E402
 from lightning_grpo.training.replay import StepReplay  # noqa: E402
 
 PROMPT, COMPLETION_RANGE, GROUP_SIZE = 48, (32, 64), 8
-MODELS = {"tiny": "tiny-random", "smollm2": "smollm2-135m-instruct"}
+MODELS = common.MODELS
 CONFIGURATIONS = {
     "default (dapo)": {},
     "beta=0.04": {"beta": 0.04},
@@ -152,9 +147,9 @@ def main() -> None:
     import logging
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = common.git_commit()
     print(
-        f"# grpo_family: commit {commit or '?'}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"# grpo_family: commit {commit or '?'}, {common.machine()}, "
         f"torch {torch.__version__}, {args.threads} threads, model {args.model}"
     )
     policy = load_policy(MODELS[args.model]).train()

@@ -46,7 +46,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -54,10 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
+import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
@@ -149,19 +145,10 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         def on_train_end(self, trainer, pl_module) -> None:
             snapshots.maybe_save(pl_module.policy, trainer.global_step, last=True)
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = common.quiet_cpu_trainer(
         precision=config["trainer"].get("precision", "32-true"),
-        max_epochs=-1,
         max_steps=args.max_steps or -1,
         logger=CSVLogger(out, name="metrics", version=0),
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[SnapshotCallback()],
     )
     started = time.perf_counter()
@@ -536,7 +523,7 @@ def main() -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     print(
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {args.model}, {args.train_size} "
+        f"{common.machine()}; {args.model}, {args.train_size} "
         f"training / {args.val_size} held-out problems, reward {args.reward}; output in {out}",
         flush=True,
     )

@@ -23,18 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
+import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -352,11 +347,8 @@ def main() -> None:
         print(json.dumps(train_worker(args.model, config, args.groups, args.warmup, args.steps, args.threads)))
         return
     torch.set_num_threads(args.threads)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(
-        f"# lora: commit {commit or '?'}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"torch {torch.__version__}, {args.threads} threads"
-    )
+    commit = common.git_commit()
+    print(f"# lora: commit {commit or '?'}, {common.machine()}, torch {torch.__version__}, {args.threads} threads")
     sections = args.section or ["train", "push"]
     if "train" in sections:
         section_train(args)

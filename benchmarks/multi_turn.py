@@ -26,17 +26,15 @@ import os
 import platform
 import queue
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tiny tool policy and its environment
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 from datasets import Dataset  # noqa: E402
@@ -215,7 +213,7 @@ def main() -> None:
         if server is not None:
             server.stop()
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    commit = common.git_commit()
     print(f"\nmulti-turn rollouts, {setup.name}: {args.num_generations} per group, {args.concurrent} groups in flight, "
           f"{args.groups - 1} timed groups x {args.repeats} runs, medians (commit {commit.strip()}, "
           f"{platform.machine()}, {os.cpu_count()} CPUs)")  # fmt: skip

@@ -28,13 +28,10 @@ import functools
 import os
 import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
+import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
@@ -44,7 +41,7 @@ from lightning_grpo.training.attention import tree_model_kwargs, use_tree_attent
 from lightning_grpo.training.loss import grpo_loss, packed_logprobs  # noqa: E402
 
 PROMPT, COMPLETION_RANGE, GROUP_SIZE = 48, (32, 64), 8
-MODELS = {"tiny": "tiny-random", "smollm2": "smollm2-135m-instruct"}
+MODELS = common.MODELS
 
 
 def make_samples(num_groups: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -245,7 +242,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = common.git_commit()
     print(
         f"# packed_step: commit {commit or '?'}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads"

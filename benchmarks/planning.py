@@ -23,14 +23,12 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-
+import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
 import numpy as np  # noqa: E402
 from trl.experimental.async_grpo.async_grpo_trainer import TokenBudgetBatcher  # noqa: E402
 
@@ -231,7 +229,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--groups", type=int, default=32)
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = common.git_commit()
     print(f"commit {commit or '?'} | {platform.processor() or platform.machine()} | {os.cpu_count()} CPUs")
     for name in args.section or list(SECTIONS):
         SECTIONS[name](args)

@@ -27,7 +27,7 @@ import threading
 import time
 from functools import partial
 
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
 
 GROUP_SIZE = 8
 NUM_COMPLETIONS = 2000
@@ -245,9 +245,9 @@ def main() -> None:
     from lightning_grpo.rewards import accuracy
 
     logging.getLogger("lightning_grpo.rollout.reward_pool").setLevel(logging.ERROR)  # expected timeouts: counted below
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = common.git_commit()
     print(
-        f"commit {commit or '?'}; {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+        f"commit {commit or '?'}; {common.machine()}; "
         f"python {platform.python_version()}; {NUM_COMPLETIONS} completions, {GROUP_SIZE} per call; "
         f"pool workers={args.workers}"
     )

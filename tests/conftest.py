@@ -9,7 +9,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
-from processes import describe, live_children, wait_no_children  # noqa: E402
+from helpers.processes import describe, live_children, wait_no_children  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +25,16 @@ def tiny_model():
     from lightning_grpo.models import tiny_llama
 
     return tiny_llama(seed=0)
+
+
+@pytest.fixture
+def transfer(tiny_model):
+    """A shared-memory weight transfer shaped like `tiny_model`, destroyed after the test (vLLM tests override it)."""
+    from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer
+
+    transfer = SharedMemoryWeightTransfer(tiny_model)
+    yield transfer
+    transfer.destroy()
 
 
 @pytest.fixture
@@ -47,13 +57,13 @@ def tool_policy_path():
     under a hash of its recipe, the chat template and the torch and transformers versions: the same file is
     trained again only when one of them changes.
     """
-    from tool_policy import cached_tool_policy
+    from helpers.tool_policy import cached_tool_policy
 
     return cached_tool_policy()
 
 
 @pytest.fixture
 def tool_policy(tool_policy_path):
-    from tool_policy import load_tool_policy
+    from helpers.tool_policy import load_tool_policy
 
     return load_tool_policy(tool_policy_path)

@@ -54,7 +54,7 @@ def test_bad_generation_options_are_reported_together_with_their_values():
 def test_a_group_that_can_never_fit_a_step_fails_at_set_up_naming_the_knob(no_leaked_processes):
     """8 completions in rows of 2 samples, 1 micro-batch on 1 process: no step can hold a group. The fit fails in
     `setup`, before anything is spawned, instead of dropping every group as oversize until the run stalls."""
-    from tiny_fits import cpu_trainer, tiny_datamodule
+    from helpers.tiny import cpu_trainer, tiny_datamodule
 
     from lightning_grpo import GRPOModule
 
@@ -67,7 +67,7 @@ def test_a_group_that_can_never_fit_a_step_fails_at_set_up_naming_the_knob(no_le
 
 
 def test_grpo_module_without_a_rollout_data_module_says_what_it_needs():
-    from tiny_fits import cpu_trainer
+    from helpers.tiny import cpu_trainer
     from torch.utils.data import DataLoader
 
     from lightning_grpo import GRPOModule

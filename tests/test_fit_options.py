@@ -10,9 +10,9 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from fit_rewards import length_reward
-from tiny_fits import cpu_trainer, tiny_datamodule
-from trl_grpo import generate_and_score, grpo_trainer
+from helpers.fit_rewards import length_reward
+from helpers.tiny import cpu_trainer, tiny_datamodule
+from helpers.trl_grpo import generate_and_score, grpo_trainer
 
 from lightning_grpo.module import GRPOModule
 
@@ -64,7 +64,7 @@ def test_batch_scaled_rewards_train_trls_advantages_and_a_truncated_sampler_give
     the same way, see `test_advantage_parity.py`); and with `top_k`/`top_p` the trainer's log-probabilities are those
     of the same truncated distribution the generator sampled from, so the first step (trained on the weights that
     generated it) has a ratio of 1."""
-    from tiny_fits import char_sum_reward
+    from helpers.tiny import char_sum_reward
 
     aggregation = "normalize_then_sum"
     recorder = StepRecorder()

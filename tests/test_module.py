@@ -5,8 +5,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from learning_rates import learning_rates
-from tiny_fits import cpu_trainer, tiny_datamodule, tiny_prompts
+from helpers.learning_rates import learning_rates
+from helpers.tiny import cpu_trainer, tiny_datamodule, tiny_prompts
 
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.rollout.loop import GRPORolloutLoop
@@ -92,7 +92,7 @@ def test_tiny_run_logs_trl_metric_names_with_sane_values(tmp_path, no_leaked_pro
 @pytest.mark.timeout(240)
 def test_fit_with_a_trainer_scorer_scores_every_pending_group(tmp_path, no_leaked_processes):
     """The rollout child leaves advantages pending; a reward model on the trainer scores each step before it trains."""
-    from packed_rows import tiny_reward_model
+    from helpers.tiny import tiny_reward_model
 
     from lightning_grpo.scoring.scorers import RewardModelScorer
 
@@ -119,7 +119,7 @@ class TaggedLoop(GRPORolloutLoop):
 
 @pytest.mark.timeout(240)
 def test_a_loop_subclass_from_loop_cls_runs_in_the_child_and_its_payload_reaches_the_scorer(no_leaked_processes):
-    from packed_rows import tiny_reward_model
+    from helpers.tiny import tiny_reward_model
 
     from lightning_grpo.rollout.records import SCORE_PAYLOAD
     from lightning_grpo.scoring.scorers import RewardModelScorer
@@ -147,7 +147,7 @@ def test_interrupting_fit_stops_the_rollout_child_while_the_process_lives_on(no_
     import os
     import signal
 
-    from processes import live_children, wait_no_children
+    from helpers.processes import live_children, wait_no_children
 
     class InterruptAtSecondStep(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

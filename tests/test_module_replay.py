@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from packed_rows import rollout_group
-from replay import fit_replay, planned_steps, tiny_contract
+from helpers.replay import fit_replay, planned_steps, tiny_contract
+from helpers.tiny import rollout_group
 
 from lightning_grpo.models import tiny_llama
 from lightning_grpo.module import GRPOModule

@@ -16,8 +16,8 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
+from helpers.processes import is_forkserver, session_processes
 from nbclient import NotebookClient
-from processes import is_forkserver, session_processes
 
 NOTEBOOK = Path(__file__).parents[1] / "notebooks" / "quickstart.ipynb"
 

@@ -351,7 +351,7 @@ def test_the_trl_trainer_code_the_parity_tests_call_is_where_it_was():
     missing = _missing_parameters(GRPOTrainer, GRPO_TRAINER_METHODS)
     missing += _missing_parameters(RLOOTrainer, {"_generate_and_score_completions": ["inputs"]})
     missing += _missing_parameters(SyncRefModelCallback, {"_sync_target_model": ["model", "target_model", "alpha"]})
-    from trl_grpo import CONFIG_ATTRIBUTES
+    from helpers.trl_grpo import CONFIG_ATTRIBUTES
 
     source = inspect.getsource(GRPOTrainer)
     attributes = [*CONFIG_ATTRIBUTES, *GRPO_TRAINER_ATTRIBUTES]

@@ -180,7 +180,7 @@ def main() -> None:
     policy = "tiny-random"
     if args.scenario == "tools":
         sys.path.insert(0, str(Path(__file__).parents[1]))
-        from tool_policy import PROMPT, LookupEnv, load_tool_policy
+        from helpers.tool_policy import PROMPT, LookupEnv, load_tool_policy
 
         prompts = Dataset.from_dict({"prompt": [PROMPT] * args.prompts})
         conversation = dict(environment_factory=LookupEnv, max_completion_length=80, max_tool_calling_iterations=2)

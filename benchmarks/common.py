@@ -1,0 +1,67 @@
+"""What the benchmarks share: the offline environment (set on import, before torch or TRL load), the model names,
+a line describing the machine and commit, the median of timed runs, and a quiet CPU trainer.
+
+Each benchmark runs as `python benchmarks/<name>.py`, which puts this folder on `sys.path`; import this module
+before anything that imports torch, transformers or TRL.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+#: `--model` choices of the benchmarks -> `load_policy` names.
+MODELS = {"tiny": "tiny-random", "smollm2": "smollm2-135m-instruct"}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit() -> str:
+    """The checkout's short commit, or "?" outside a git checkout."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return done.stdout.strip() or "?"
+
+
+def machine() -> str:
+    """The processor and the CPU count, as the benchmarks' headers print them."""
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+
+
+def median_seconds(function: Callable[[], Any], warmup: int, reps: int) -> float:
+    """The median wall time of `reps` calls of `function`, after `warmup` calls left out."""
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def quiet_cpu_trainer(**overrides: Any) -> Any:
+    """A one-process CPU `Trainer` that lets the data module end the run and prints nothing of its own: no
+    checkpoints, progress bar, model summary or validation unless `overrides` say so."""
+    import lightning.pytorch as pl
+
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=-1,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    return pl.Trainer(**(options | overrides))

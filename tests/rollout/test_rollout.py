@@ -1,0 +1,330 @@
+"""The rollout child for real: GRPORolloutWorker spawns GRPORolloutLoop with the embedded generator on the tiny model.
+
+Every test here spawns a real child process (and its reward-pool worker), generates with the tiny random Llama and
+scores with real reward functions shipped by cloudpickle; nothing is faked.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from helpers.fit_rewards import ChildOnlyReward, environment_mark
+from helpers.rollouts import check_stopped_samples, collect_groups
+from helpers.transfers import push
+
+from lightning_grpo.rollout import start_method
+from lightning_grpo.rollout.advantages import compute_group_advantages
+from lightning_grpo.rollout.generator import GeneratorSpec, PolicySpec
+from lightning_grpo.rollout.records import SCORE_PAYLOAD
+from lightning_grpo.rollout.sampling import teacher_forced_logprobs
+from lightning_grpo.rollout.worker import GRPORolloutWorker
+
+G = 4  # generations per group
+MAX_TOKENS = 10
+
+
+def prompts(n: int) -> Dataset:
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(n)],
+            "answer": [str(i) for i in range(n)],
+        }
+    )
+
+
+def length_reward():
+    """Reward = completion length in characters: varies within a group, so groups carry a learning signal."""
+    return lambda completions, **kwargs: [float(len(c[0]["content"])) for c in completions]
+
+
+def start_worker(model, tokenizer, transfer, generator_options=None, **overrides) -> GRPORolloutWorker:
+    """A started worker whose embedded generator gets its weights from `transfer` (the model's config, no weights)."""
+    generator = GeneratorSpec(
+        policy=PolicySpec.from_model(model),
+        eos_token_ids=(tokenizer.eos_token_id,),
+        max_tokens=MAX_TOKENS,
+        weight_receiver=transfer.receiver(),
+        seed=0,
+        **(generator_options or {}),
+    )
+    worker = GRPORolloutWorker(child_ready_timeout=120, **(worker_options(tokenizer, generator=generator) | overrides))
+    worker.start()
+    return worker
+
+
+def worker_options(tokenizer, **overrides) -> dict:
+    options = dict(
+        model_name="tiny",
+        dataset=prompts(4),
+        reward_funcs=[length_reward()],
+        processing_class=tokenizer,
+        eos_token_ids=[tokenizer.eos_token_id],
+        num_generations=G,
+        max_inflight_tasks=4 * G,
+        max_tokens=MAX_TOKENS,
+        epochs=1,
+        reward_num_workers=1,
+        reward_timeout=20.0,
+    )
+    return options | overrides
+
+
+@pytest.mark.timeout(180)
+def test_groups_arrive_complete_scored_and_with_exact_logprobs(tiny_model, tokenizer, transfer, no_leaked_processes):
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(tiny_model, tokenizer, transfer, consumed={1})
+    try:
+        groups = collect_groups(worker, 3)
+        assert sorted(groups) == [0, 2, 3]  # the consumed id is skipped, every other id once
+        for samples in groups.values():
+            assert len(samples) == samples[0].group_rows <= G
+            rewards = np.array([[s.metrics["rewards/<lambda>"] for s in samples]])
+            _, expected = compute_group_advantages(rewards, np.ones(1))
+            np.testing.assert_allclose([s.advantage for s in samples], expected, atol=1e-6)
+            for sample in samples:
+                assert sample.model_version == 0 and not np.isnan(sample.advantage)
+                prompt_len = int((sample.completion_mask == 0).sum())
+                completion = sample.input_ids[prompt_len:].tolist()
+                assert sample.completion_mask[prompt_len:].all() and len(completion) <= MAX_TOKENS
+                assert sample.truncated == (completion[-1] != tokenizer.eos_token_id)
+                assert sample.metrics["reward"] == len(sample.completion[0]["content"])
+                reference = teacher_forced_logprobs(tiny_model, sample.input_ids[:prompt_len].tolist(), completion)
+                np.testing.assert_allclose(sample.old_log_probs[prompt_len:], reference.numpy(), atol=1e-4)
+        # The schedule is done: nothing more arrives, and the child idles with its heartbeat alive.
+        with pytest.raises(queue.Empty):
+            worker.rollout_buffer.get(timeout=1.5)
+        worker.check_health(stale_after_s=5)
+    finally:
+        worker.stop()
+
+
+@pytest.mark.timeout(180)
+def test_weight_push_switches_version_and_logprobs_follow_new_weights(
+    tiny_model, tokenizer, transfer, no_leaked_processes
+):
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(tiny_model, tokenizer, transfer, dataset=prompts(6), groups_per_step=1, max_staleness=0)
+    new_model = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for param in new_model.parameters():
+            param.mul_(1.5)
+    try:
+        first = collect_groups(worker, 1)
+        assert {s.model_version for s in first[0]} == {0}
+        push(transfer, new_model, version=1)
+        worker.groups_consumed = 1  # pacing admits the next group only now
+        later = collect_groups(worker, 1)
+        (samples,) = later.values()
+        assert {s.model_version for s in samples} == {1}
+        for sample in samples:
+            prompt_len = int((sample.completion_mask == 0).sum())
+            ids = sample.input_ids.tolist()
+            expected = teacher_forced_logprobs(new_model, ids[:prompt_len], ids[prompt_len:])
+            np.testing.assert_allclose(sample.old_log_probs[prompt_len:], expected.numpy(), atol=1e-4)
+    finally:
+        worker.stop()
+
+
+@pytest.mark.timeout(240)
+def test_pacing_keeps_staleness_bounded_with_a_slow_consumer(tiny_model, tokenizer, transfer, no_leaked_processes):
+    """A consumer that trains slowly and bumps the version every step never sees a group staler than max_staleness,
+    the child never runs more than the pacing window ahead, and generation resumes as soon as groups are consumed."""
+    groups_per_step, max_staleness = 2, 1
+    window = (max_staleness + 1) * groups_per_step
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(
+        tiny_model,
+        tokenizer,
+        transfer,
+        dataset=prompts(6),
+        epochs=2,
+        groups_per_step=groups_per_step,
+        max_staleness=max_staleness,
+    )
+    version, consumed, staleness = 0, 0, []
+    try:
+        while consumed < 12:
+            step = collect_groups(worker, groups_per_step)
+            # Trainer-side view of the child's lead: groups in flight or queued never exceed the window.
+            time.sleep(1.0)  # a slow step: the child has time to run ahead if pacing did not hold it
+            extra = worker.rollout_buffer.qsize()
+            assert extra <= (window - groups_per_step) * G, f"{extra} samples queued beyond the pacing window"
+            staleness += [version - s[0].model_version for s in step.values()]
+            version += 1
+            push(transfer, tiny_model, version=version)
+            consumed += groups_per_step
+            worker.groups_consumed = consumed
+        assert max(staleness) <= max_staleness, staleness
+    finally:
+        worker.stop()
+
+
+@pytest.mark.timeout(180)
+def test_trainer_scored_groups_carry_nan_advantages_and_payload(tiny_model, tokenizer, transfer, no_leaked_processes):
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(tiny_model, tokenizer, transfer, dataset=prompts(1), trainer_scored=True)
+    try:
+        (samples,) = collect_groups(worker, 1).values()
+        for sample in samples:
+            assert np.isnan(sample.advantage)
+            payload = sample.extras[SCORE_PAYLOAD]
+            assert payload == {"rows": len(samples), "columns": ["<lambda>"], "payload": {}}
+            assert not np.isnan(sample.metrics["rewards/<lambda>"])  # its own columns are scored
+    finally:
+        worker.stop()
+
+
+@pytest.mark.timeout(180)
+def test_child_killed_with_sigkill_fails_check_health_and_stop_cleans_up(
+    tiny_model, tokenizer, transfer, no_leaked_processes
+):
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(tiny_model, tokenizer, transfer, dataset=prompts(2))
+    try:
+        collect_groups(worker, 1)
+        os.kill(worker.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        with pytest.raises(RuntimeError, match="killed by signal 9"):
+            while time.monotonic() < deadline:
+                worker.check_health(stale_after_s=30)
+                time.sleep(0.05)
+    finally:
+        started = time.monotonic()
+        worker.stop()  # also reaps the reward-pool worker orphaned by the kill
+        assert time.monotonic() - started < 10
+
+
+@pytest.mark.timeout(120)
+def test_bad_loop_argument_fails_start_with_the_childs_message(tiny_model, tokenizer, transfer, no_leaked_processes):
+    with pytest.raises(RuntimeError, match=r"reward_weights.*2 entries but there are 1 reward columns"):
+        start_worker(tiny_model, tokenizer, transfer, reward_weights=[1.0, 2.0])
+
+
+@pytest.mark.timeout(120)
+def test_a_reward_pool_that_cannot_start_fails_start_with_its_message_and_leaves_no_process(
+    tokenizer, no_leaked_processes
+):
+    """The pool starts while the embedded generator loads the policy; its failure still fails `start()`."""
+    options = worker_options(tokenizer, model_name="tiny-random", dataset=prompts(2), reward_funcs=[ChildOnlyReward()])
+    worker = GRPORolloutWorker(generator="embedded", child_ready_timeout=120, **options)
+    with pytest.raises(RuntimeError, match=r"(?s)could not start its workers.*'ChildOnlyReward' cannot be loaded"):
+        worker.start()
+
+
+def test_unshippable_argument_is_named_before_anything_is_spawned(tiny_model, tokenizer, transfer, no_leaked_processes):
+    worker = GRPORolloutWorker(dataset=prompts(1), reward_funcs=[length_reward()], lock=threading.Lock())
+    with pytest.raises(TypeError, match="cannot ship `lock="):
+        worker.start()
+    assert worker.pid is None
+
+
+@pytest.mark.timeout(180)
+def test_hung_child_fails_check_health_once_its_heartbeat_is_stale(
+    tiny_model, tokenizer, transfer, no_leaked_processes
+):
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(tiny_model, tokenizer, transfer, dataset=prompts(2))
+    try:
+        collect_groups(worker, 1)
+        worker.check_health(stale_after_s=5)  # alive and ticking
+        os.kill(worker.pid, signal.SIGSTOP)  # a child that is alive but no longer makes progress
+        time.sleep(2.5)
+        with pytest.raises(RuntimeError, match=r"is hung: no heartbeat for \d+ s \(limit 2 s\)"):
+            worker.check_health(stale_after_s=2)
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        worker.stop()
+
+
+@pytest.mark.timeout(180)
+def test_the_low_level_worker_runs_generator_embedded_or_fails_at_construction(tokenizer, no_leaked_processes):
+    """`generator="embedded"` (the name the docs use) loads the named policy in the child and samples with the loop's
+    options; anything that is not a generator fails in `__init__`, before anything is spawned."""
+    from lightning_grpo.models import tiny_llama
+
+    options = worker_options(tokenizer, model_name="tiny-random", dataset=prompts(2), temperature=0.7)
+    worker = GRPORolloutWorker(generator="embedded", child_ready_timeout=120, **options)
+    worker.start()
+    try:
+        (group,) = collect_groups(worker, 1).values()
+    finally:
+        worker.stop()
+    model = tiny_llama(seed=0)  # what "tiny-random" loads in the child
+    for sample in group:
+        start = int(sample.completion_mask.argmax())
+        ids = sample.input_ids.tolist()
+        expected = teacher_forced_logprobs(model, ids[:start], ids[start:], temperature=0.7)
+        assert (expected - torch.from_numpy(sample.old_log_probs[start:])).abs().max() <= 1e-4
+    with pytest.raises(TypeError, match=r"generator='sglang'.*GeneratorSpec.*'embedded'"):
+        GRPORolloutWorker(model_name="tiny-random", generator="sglang")
+    with pytest.raises(TypeError, match=r"generator='embedded'.*model_name="):
+        GRPORolloutWorker(generator="embedded")
+    with pytest.raises(ValueError, match="temperature=-1"):
+        GRPORolloutWorker(model_name="tiny-random", generator="embedded", temperature=-1)
+
+
+@pytest.mark.timeout(180)
+def test_stop_strings_end_completions_untruncated_with_logprobs_of_the_processed_distribution(
+    tiny_model, tokenizer, transfer, no_leaked_processes
+):
+    """min_p, repetition_penalty and stop strings reach the child's generator; a completion that a stop string ended
+    is not truncated (no EOS id ends it), and every logprob is that of the distribution its token was drawn from."""
+    sampling = {"temperature": 0.9, "min_p": 0.05, "repetition_penalty": 1.3}
+    stop = list("aeiou0123")
+    options = dict(stop=stop, tokenizer=tokenizer, **sampling)
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(tiny_model, tokenizer, transfer, generator_options=options, stop=stop, dataset=prompts(2))
+    try:
+        groups = collect_groups(worker, 2)
+    finally:
+        worker.stop()
+    check_stopped_samples(groups, tiny_model, tokenizer, stop, MAX_TOKENS, **sampling)
+
+
+@pytest.mark.timeout(240)
+def test_children_are_forked_by_one_preloading_server_with_the_environment_of_their_start(
+    tiny_model, tokenizer, transfer, monkeypatch, no_leaked_processes
+):
+    """Two children in a row: both forked by the same forkserver (which exits with this process, so it is no leak),
+    each with this process's environment as it was when that child started, down to its reward worker."""
+    import psutil
+
+    push(transfer, tiny_model, version=0)
+    servers, marks = [], []
+    for mark in ("7", "8"):
+        monkeypatch.setenv("LIGHTNING_GRPO_TEST_MARK", mark)  # not read at import: a forked child sees the new value
+        worker = start_worker(tiny_model, tokenizer, transfer, reward_funcs=[environment_mark], dataset=prompts(1))
+        try:
+            servers.append(psutil.Process(worker.pid).ppid())
+            (samples,) = collect_groups(worker, 1).values()
+            marks.append({int(s.metrics["rewards/environment_mark"]) for s in samples})
+        finally:
+            worker.stop()
+    assert servers[0] == servers[1] == start_method._server["pid"] != os.getpid()
+    assert "multiprocessing.forkserver" in " ".join(psutil.Process(servers[0]).cmdline())
+    assert marks == [{7}, {8}]
+
+
+def test_a_changed_import_time_variable_or_the_switch_spawns_the_child(monkeypatch):
+    """A variable torch or transformers read when the server imported them cannot reach a forked child: spawn."""
+    import psutil
+
+    start_method.warm_up()  # returns once the server has imported the loop (it forked and reaped a no-op child)
+    server = psutil.Process(start_method._server["pid"])
+    assert server.ppid() == os.getpid() and "lightning_grpo.rollout.loop" in " ".join(server.cmdline())
+    assert start_method.rollout_context().get_start_method() == "forkserver"
+    monkeypatch.setenv("HF_LIGHTNING_GRPO_TEST", "1")
+    assert start_method.rollout_context().get_start_method() == "spawn"
+    monkeypatch.delenv("HF_LIGHTNING_GRPO_TEST")
+    assert start_method.rollout_context().get_start_method() == "forkserver"
+    monkeypatch.setenv(start_method.ENV_SWITCH, "spawn")
+    assert start_method.rollout_context().get_start_method() == "spawn"
