@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from ._imports import resolve_callable
 from ._lightning_noise import ignore_empty_val_loader, ignore_leafspec_deprecation
 from .contract import PolicySource, RolloutContract, require_policy_source
-from .data.options import checked_loop_kwargs, resolve_loop_cls, validate_options
+from .data.options import check_dataset_options, checked_loop_kwargs, resolve_loop_cls, validate_options
 from .data.preparation import build_contract, prepare_prompts
 from .data.sources import check_source
 from .data.tooling import ConversationSpec, resolve_environment_factory, resolve_tools
@@ -74,16 +74,23 @@ class GRPODataModule(pl.LightningDataModule):
     Args:
         model: the policy's name or path for the tokenizer and the generator; None takes the `GRPOModule`'s.
         tokenizer: a tokenizer name or path when it differs from `model` (or the policy is an `nn.Module`).
-        dataset: `"arithmetic"` (builtin), a `.jsonl`/`.parquet` path, a `datasets.Dataset`, or a Hub dataset name. It
-            needs a `prompt` column (chat messages or a string) plus the columns the reward functions read.
+        dataset: `"arithmetic"` (builtin), `"reasoning_gym:<task>"` (scored by `lightning_grpo.rewards.reasoning_gym`),
+            a `.jsonl`/`.parquet` path, a `datasets.Dataset`, or a Hub dataset name. It needs a `prompt` column (chat
+            messages or a string) plus the columns the reward functions read, unless `dataset_format` maps them.
+        dataset_format: a preset mapping a file's (or `Dataset`'s) columns to `prompt` and the final `answer`, for
+            `dataset` and `val_dataset`: `"gsm8k"` (`question`, `answer` ending in `#### 72`), `"math"` (`problem`,
+            `solution` with `\\boxed{}`, `answer` if present) or `"prompt_answer"`; a row without an extractable
+            answer is an error naming it. None: columns as they are. See `lightning_grpo.data.formats`.
+        dataset_options: the preset's column names and instruction (`{"question_key": "query"}`), or the reasoning-gym
+            task's generator options (`{"min_numbers": 3}`) and `system_prompt`.
         prompt_format: how a string `prompt` is used: `"auto"` (one user message when the tokenizer has a chat
             template, else raw text), `"chat"` (always one user message) or `"text"` (always raw text, TRL's
             standard format: no template, and completions reach the rewards as strings). Chat messages always use
             the template.
-        dataset_size: keep the first rows (or generate this many for `"arithmetic"`).
-        dataset_seed: seed of the builtin generator.
-        val_dataset: held-out prompts for `validation_step`; default: the builtin task with another seed when
-            `dataset="arithmetic"`, else none.
+        dataset_size: keep the first rows (or generate this many for `"arithmetic"` and reasoning-gym tasks).
+        dataset_seed: seed of the generators.
+        val_dataset: held-out prompts for `validation_step`; default: the same generator with another seed when
+            `dataset` is `"arithmetic"` or a reasoning-gym task, else none.
         val_size: held-out prompts to keep.
         reward_funcs: callables or import paths (`"lightning_grpo.rewards.accuracy"`, `"my_pkg.rewards:fmt"`) with
             TRL's reward signature.
@@ -162,6 +169,8 @@ class GRPODataModule(pl.LightningDataModule):
         dataset: str | Dataset = "arithmetic",
         dataset_size: int | None = None,
         dataset_seed: int = 0,
+        dataset_format: Literal["gsm8k", "math", "prompt_answer"] | None = None,
+        dataset_options: dict[str, Any] | None = None,
         val_dataset: str | Dataset | None = None,
         val_size: int = 64,
         reward_funcs: Sequence[str | RewardFunc] = ("lightning_grpo.rewards.accuracy",),
@@ -216,6 +225,7 @@ class GRPODataModule(pl.LightningDataModule):
         self.reward_funcs: list[RewardFunc] = [resolve_callable(f, "reward_funcs") for f in self.reward_func_specs]
         for source in (dataset, val_dataset):
             check_source(source)
+        check_dataset_options(dataset, val_dataset, dataset_format, dataset_options)
         self.loop_cls = resolve_loop_cls(loop_cls)
         self.loop_kwargs = checked_loop_kwargs(loop_kwargs)
         self.tools = resolve_tools(tools)

@@ -60,8 +60,9 @@ def accuracy(
     r"""1.0 when a completion's final answer equals the gold `answer` (math_verify), else 0.0.
 
     The gold column `answer` holds one string or number per completion (e.g. `"12"`, `"\frac{1}{2}"`, `12`). A
-    gold answer math_verify cannot parse scores `None` (not scored), so a broken dataset row never teaches the
-    model anything.
+    gold answer with a LaTeX command and no `$` (MATH's `\left( 3, \frac{\pi}{2} \right)`) is read as LaTeX math,
+    as if written between `$`s. A gold answer math_verify cannot parse scores `None` (not scored), so a broken
+    dataset row never teaches the model anything.
 
     The completion's answer is what math_verify's `parse` extracts with its default LaTeX and plain-expression
     targets, tried by priority: a non-empty `\boxed{...}` (two boxes parse as a set, which fails a single gold),
@@ -94,7 +95,7 @@ def accuracy(
     for completion, gold in zip(completions, answer, strict=True):
         key = str(gold)
         if key not in golds:
-            golds[key] = parse(key, parsing_timeout=parse_timeout)
+            golds[key] = _parse_gold(key, parse_timeout)
         gold_parsed = golds[key]
         if not gold_parsed:
             rewards.append(None)
@@ -102,6 +103,15 @@ def accuracy(
         predicted = parse(completion_text(completion), parsing_timeout=parse_timeout)
         rewards.append(float(verify(gold_parsed, predicted, timeout_seconds=verify_timeout)))
     return rewards
+
+
+def _parse_gold(gold: str, parsing_timeout: int | None) -> list:
+    # math_verify reads bare `\left( 3, \frac{\pi}{2} \right)` as 3: inside `$`s it is the pair
+    if "\\" in gold and "$" not in gold and _BOXED not in gold:
+        parsed = parse(f"${gold}$", parsing_timeout=parsing_timeout)
+        if parsed:
+            return parsed
+    return parse(gold, parsing_timeout=parsing_timeout)
 
 
 def boxed_format(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
@@ -169,3 +179,75 @@ def _as_number(text: str) -> float | None:
         return None
     value = float(text)
     return value if math.isfinite(value) else None
+
+
+# open-r1's `format_reward` (src/open_r1/rewards.py), the R1 recipe's format check, with its flags.
+_THINK_ANSWER = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL | re.MULTILINE)
+
+
+def format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
+    r"""1.0 when a completion reasons inside `<think>` tags and then answers inside `<answer>` tags, else 0.0.
+
+    open-r1's `format_reward`, the format DeepSeek-R1-style recipes reward beside accuracy: the completion starts
+    with `<think>`, a newline, the reasoning, a newline and `</think>`, then on the next line `<answer>`, a newline,
+    the answer, a newline and `</answer>`: `"<think>\nx + 2 = 5\n</think>\n<answer>\n3\n</answer>"`. As in open-r1 (its
+    multiline `$`), `</answer>` must end a line, so text on later lines is allowed; text before `<think>`, tags on
+    the same line as their content, or a missing block score 0.0. The answer is not checked: pair it with `accuracy`
+    or `reasoning_gym`. Prompt for it with the same format, e.g. reasoning-gym's `"DeepSeekZero"` system prompt.
+
+    Args:
+        completions: Strings or conversations, see `completion_text`.
+        **kwargs: Dataset columns and TRL's `prompts`, `completion_ids`; ignored.
+    """
+    return [1.0 if _THINK_ANSWER.match(completion_text(completion)) else 0.0 for completion in completions]
+
+
+def reasoning_gym(
+    completions: Sequence[Any],
+    answer: Sequence[str | None],
+    metadata: Sequence[str],
+    task: Sequence[str],
+    task_options: Sequence[str] | None = None,
+    question: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    r"""A reasoning-gym task's own score of each completion: `score_answer(extract_answer(text), entry)`.
+
+    For rows from `GRPODataModule(dataset="reasoning_gym:<task>")` (its columns `answer`, `metadata`, `task`,
+    `task_options`, `question`; see `lightning_grpo.data.reasoning_gym`). The answer is the text of the completion's
+    last `<answer>...</answer>`, as reasoning-gym's `extract_answer` takes it, or None when there is none; the task's
+    `score_answer` (built once per process with the row's task options) scores it in [0, 1], often with partial
+    credit: countdown gives 1.0 for an expression that uses the given numbers and hits the target, 0.05 for a wrong
+    one, 0.01 for none. A row whose scorer raises scores NaN in the reward pool (counted and logged).
+
+    Args:
+        completions: Strings or conversations, see `completion_text`.
+        answer: The entries' answers (None where a task checks answers without one).
+        metadata: The entries' metadata as `lightning_grpo.data.reasoning_gym.encode_metadata` writes it.
+        task: The reasoning-gym task of each row (`"countdown"`).
+        task_options: The task options as JSON (default: the task's defaults).
+        question: The entries' questions (a few tasks' scorers read it).
+        **kwargs: Other dataset columns and TRL's `prompts`, `completion_ids`; ignored.
+
+    Raises:
+        ValueError: the columns do not have one entry per completion.
+    """
+    from .data.reasoning_gym import extract_answer, score
+
+    columns = {"answer": answer, "metadata": metadata, "task": task}
+    columns |= {name: values for name, values in (("task_options", task_options), ("question", question)) if values}
+    if bad := {name: len(values) for name, values in columns.items() if len(values) != len(completions)}:
+        raise ValueError(f"reasoning_gym() got {len(completions)} completions but columns of lengths {bad}.")
+    rewards: list[float | None] = []
+    for index, completion in enumerate(completions):
+        rewards.append(
+            score(
+                extract_answer(completion_text(completion)),
+                answer=answer[index],
+                metadata=metadata[index],
+                task=task[index],
+                task_options=task_options[index] if task_options else "{}",
+                question=question[index] if question else "",
+            )
+        )
+    return rewards

@@ -9,6 +9,7 @@ from .._imports import import_object
 from ..pipeline.session import LOOP_OPTION_NAMES
 from ..rollout.stop_strings import VLLM_MAX_STOP_STRINGS, check_stop
 from ..training.threads import is_trainer_threads
+from .formats import DATASET_FORMATS
 
 
 def validate_options(hp: Any) -> None:
@@ -68,8 +69,45 @@ def validate_options(hp: Any) -> None:
         problems.append(f"tool_timeout={hp.tool_timeout} (must be positive, or None for no limit)")
     if hp.prompt_format not in ("auto", "chat", "text"):
         problems.append(f"prompt_format={hp.prompt_format!r} (one of 'auto', 'chat', 'text')")
+    if hp.dataset_format is not None and hp.dataset_format not in DATASET_FORMATS:
+        problems.append(
+            f"dataset_format={hp.dataset_format!r} (one of {', '.join(map(repr, DATASET_FORMATS))}, or None)"
+        )
+    if hp.dataset_options is not None and not isinstance(hp.dataset_options, dict):
+        problems.append(f"dataset_options={hp.dataset_options!r} (a mapping of option names to values, or None)")
     if problems:
         raise ValueError(f"GRPODataModule got invalid options: {'; '.join(problems)}.")
+
+
+def check_dataset_options(
+    dataset: Any, val_dataset: Any, dataset_format: str | None, dataset_options: dict[str, Any] | None
+) -> None:
+    """Raise one `ValueError` when `dataset_format` or `dataset_options` do not fit the sources: a preset with no file,
+    `Dataset` or Hub dataset to map, options of neither the preset nor the reasoning-gym task, an unknown task.
+    Nothing is loaded or generated (reasoning-gym's config classes only)."""
+    from .formats import format_option_problems
+    from .reasoning_gym import is_reasoning_gym, option_problems
+    from .sources import is_generated
+
+    sources = [source for source in (dataset, val_dataset) if source is not None]
+    gyms = [source for source in sources if is_reasoning_gym(source)]
+    rows = [source for source in sources if not is_generated(source)]
+    problems = [problem for source in dict.fromkeys(gyms) for problem in option_problems(source, dataset_options)]
+    if dataset_format is not None and dataset_format in DATASET_FORMATS:
+        if not rows:
+            problems.append(
+                f"dataset_format={dataset_format!r} maps a file, a Dataset or a Hub dataset, but dataset={dataset!r} "
+                "is generated (it already has `prompt` and `answer`): leave dataset_format unset"
+            )
+        elif not gyms:
+            problems += format_option_problems(dataset_format, dataset_options or {})
+    elif dataset_options and not gyms:
+        problems.append(
+            f"dataset_options={dataset_options!r} is for a dataset_format preset or a `reasoning_gym:<task>` dataset, "
+            f"but dataset_format is None and dataset={dataset!r}"
+        )
+    if problems:
+        raise ValueError(f"GRPODataModule got invalid dataset options: {'; '.join(problems)}.")
 
 
 def checked_loop_kwargs(loop_kwargs: dict[str, Any] | None) -> dict[str, Any]:

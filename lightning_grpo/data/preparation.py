@@ -16,10 +16,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from .._trl import get_callable_name
 from ..contract import RolloutContract
+from .reasoning_gym import is_reasoning_gym
 from .sources import check_columns, check_reward_columns, load_prompts
 from .tooling import ConversationSpec
 
-#: Held-out arithmetic prompts come from another seed than the training ones.
+#: Generated held-out prompts (arithmetic, reasoning-gym) come from another seed than the training ones. reasoning-gym
+#: seeds entry `i` with `seed + i`, so they are disjoint from up to this many training entries.
 VAL_SEED_OFFSET = 10_000
 
 
@@ -50,7 +52,7 @@ def prepare_prompts(
         ValueError: a missing column (named, with the dataset), no tokenizer name or one that does not load, a prompt
             the tokenizer cannot render.
     """
-    prompts = load_prompts(dataset, size=hp.dataset_size, seed=hp.dataset_seed)
+    prompts = load_prompts(dataset, size=hp.dataset_size, seed=hp.dataset_seed, **_format(hp))
     _check(prompts, reward_funcs, f"`GRPODataModule(dataset={dataset!r})`")
     val_prompts = _load_val_prompts(hp, dataset, val_dataset, reward_funcs)
     tokenizer = load_named_tokenizer(tokenizer_name)
@@ -113,13 +115,20 @@ def _check(prompts: Dataset, reward_funcs: Sequence[Callable], source: str) -> N
 
 
 def _load_val_prompts(hp: Any, dataset: Any, val_dataset: Any, reward_funcs: Sequence[Callable]) -> Dataset | None:
+    val_seed = hp.dataset_seed + VAL_SEED_OFFSET
     if val_dataset is None and dataset == "arithmetic":
-        return load_prompts("arithmetic", size=hp.val_size, seed=hp.dataset_seed + VAL_SEED_OFFSET)
+        return load_prompts("arithmetic", size=hp.val_size, seed=val_seed)
+    if val_dataset is None and is_reasoning_gym(dataset):
+        val_dataset = dataset  # the same task and options, another seed
     if val_dataset is None:
         return None
-    prompts = load_prompts(val_dataset, size=hp.val_size)
+    prompts = load_prompts(val_dataset, size=hp.val_size, seed=val_seed, **_format(hp))
     _check(prompts, reward_funcs, f"`GRPODataModule(val_dataset={val_dataset!r})`")
     return prompts
+
+
+def _format(hp: Any) -> dict[str, Any]:
+    return {"dataset_format": hp.get("dataset_format"), "dataset_options": hp.get("dataset_options")}
 
 
 def _check_rendering(conversation: ConversationSpec, prompt_format: str, sources: dict[str, Dataset | None]) -> None:

@@ -1,5 +1,6 @@
-"""Prompt datasets: the builtin synthetic arithmetic task, local `.jsonl` / `.parquet` files, `datasets.Dataset`s
-and Hugging Face Hub datasets.
+"""Prompt datasets: the builtin synthetic arithmetic task, reasoning-gym's tasks (`"reasoning_gym:<task>"`), local
+`.jsonl` / `.parquet` files, `datasets.Dataset`s and Hugging Face Hub datasets, the last three optionally mapped by a
+preset (`dataset_format`: GSM8K, MATH, prompt + answer; see `lightning_grpo.data.formats`).
 
 Every dataset has a `prompt` column, chat messages or a string, plus whatever columns the reward functions read (the
 builtin `accuracy` reward reads `answer`). How a prompt becomes token ids (the chat template, or a string as raw
@@ -49,20 +50,38 @@ def arithmetic_dataset(size: int = 600, seed: int = 0) -> Dataset:
     return Dataset.from_dict(rows)
 
 
-def load_prompts(source: str | Dataset, *, size: int | None = None, seed: int = 0, split: str = "train") -> Dataset:
-    """Load a prompt dataset from a builtin name, a local file, a `datasets.Dataset` or a Hub dataset name.
+def load_prompts(
+    source: str | Dataset,
+    *,
+    size: int | None = None,
+    seed: int = 0,
+    split: str = "train",
+    dataset_format: str | None = None,
+    dataset_options: dict[str, Any] | None = None,
+) -> Dataset:
+    """Load a prompt dataset from a builtin name, a reasoning-gym task, a local file, a `datasets.Dataset` or a Hub
+    dataset name.
 
     Args:
-        source: `"arithmetic"` (builtin; `size` problems, default 600), a path to a `.jsonl`/`.json` or `.parquet`
-            file, a `datasets.Dataset`, or a Hub dataset name (needs network access).
-        size: number of rows to keep (the first `size`); for `"arithmetic"`, how many to generate.
-        seed: seeds the builtin generator.
+        source: `"arithmetic"` (builtin; `size` problems, default 600), `"reasoning_gym:<task>"` (`size` entries of
+            that generator, default its own 500; see `lightning_grpo.data.reasoning_gym`), a path to a
+            `.jsonl`/`.json` or `.parquet` file, a `datasets.Dataset`, or a Hub dataset name (needs network access).
+        size: number of rows to keep (the first `size`); for a generator, how many to generate.
+        seed: seeds the generators.
         split: the split of a Hub dataset.
+        dataset_format: a preset mapping a file's, `Dataset`'s or Hub dataset's columns to `prompt` and `answer`
+            (`"gsm8k"`, `"math"`, `"prompt_answer"`; see `lightning_grpo.data.formats`); None uses them as they are.
+        dataset_options: the preset's options, or the reasoning-gym task's generator options.
 
     Raises:
         FileNotFoundError: a path that does not exist.
-        ValueError: an empty dataset, or a file type that is not supported.
+        ValueError: an empty dataset, a file type that is not supported, an unknown reasoning-gym task or options,
+            or rows the preset cannot extract an answer from.
     """
+    from . import reasoning_gym
+
+    if reasoning_gym.is_reasoning_gym(source):
+        return reasoning_gym.reasoning_gym_dataset(source, size=size, seed=seed, options=dataset_options)
     if isinstance(source, Dataset):
         dataset = source
     elif source in BUILTIN_DATASETS:
@@ -77,12 +96,23 @@ def load_prompts(source: str | Dataset, *, size: int | None = None, seed: int = 
         dataset = dataset.select(range(min(size, len(dataset))))
     if len(dataset) == 0:
         raise ValueError(f"The prompt dataset {source!r} has no rows.")
+    if dataset_format is not None:
+        from .formats import apply_format
+
+        dataset = apply_format(dataset, dataset_format, dataset_options, source=f"The prompt dataset {source!r}")
     return dataset
+
+
+def is_generated(source: Any) -> bool:
+    """Whether a `dataset` value names a generator (the builtin arithmetic, a reasoning-gym task), not rows."""
+    from .reasoning_gym import is_reasoning_gym
+
+    return isinstance(source, str) and (source in BUILTIN_DATASETS or is_reasoning_gym(source))
 
 
 def check_source(source: str | Dataset | None) -> None:
     """Raise `FileNotFoundError` for a local path that does not exist (cheap; nothing is loaded)."""
-    if isinstance(source, str) and source not in BUILTIN_DATASETS and _looks_like_path(source):
+    if isinstance(source, str) and not is_generated(source) and _looks_like_path(source):
         path = Path(source).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"The prompt dataset file `{path}` does not exist (dataset={source!r}).")
