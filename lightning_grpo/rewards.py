@@ -206,15 +206,15 @@ def reasoning_gym(
     completions: Sequence[Any],
     answer: Sequence[str | None],
     metadata: Sequence[str],
-    task: Sequence[str],
-    task_options: Sequence[str] | None = None,
+    gym_task: Sequence[str],
+    gym_options: Sequence[str] | None = None,
     question: Sequence[str] | None = None,
     **kwargs: Any,
 ) -> list[float | None]:
     r"""A reasoning-gym task's own score of each completion: `score_answer(extract_answer(text), entry)`.
 
-    For rows from `GRPODataModule(dataset="reasoning_gym:<task>")` (its columns `answer`, `metadata`, `task`,
-    `task_options`, `question`; see `lightning_grpo.data.reasoning_gym`). The answer is the text of the completion's
+    For rows from `GRPODataModule(dataset="reasoning_gym:<task>")` (its columns `answer`, `metadata`, `gym_task`,
+    `gym_options`, `question`; see `lightning_grpo.data.reasoning_gym`). The answer is the text of the completion's
     last `<answer>...</answer>`, as reasoning-gym's `extract_answer` takes it, or None when there is none; the task's
     `score_answer` (built once per process with the row's task options) scores it in [0, 1], often with partial
     credit: countdown gives 1.0 for an expression that uses the given numbers and hits the target, 0.05 for a wrong
@@ -224,8 +224,8 @@ def reasoning_gym(
         completions: Strings or conversations, see `completion_text`.
         answer: The entries' answers (None where a task checks answers without one).
         metadata: The entries' metadata as `lightning_grpo.data.reasoning_gym.encode_metadata` writes it.
-        task: The reasoning-gym task of each row (`"countdown"`).
-        task_options: The task options as JSON (default: the task's defaults).
+        gym_task: The reasoning-gym task of each row (`"countdown"`).
+        gym_options: The task options as JSON (default: the task's defaults).
         question: The entries' questions (a few tasks' scorers read it).
         **kwargs: Other dataset columns and TRL's `prompts`, `completion_ids`; ignored.
 
@@ -234,8 +234,8 @@ def reasoning_gym(
     """
     from .data.reasoning_gym import extract_answer, score
 
-    columns = {"answer": answer, "metadata": metadata, "task": task}
-    columns |= {name: values for name, values in (("task_options", task_options), ("question", question)) if values}
+    columns = {"answer": answer, "metadata": metadata, "gym_task": gym_task}
+    columns |= {name: values for name, values in (("gym_options", gym_options), ("question", question)) if values}
     if bad := {name: len(values) for name, values in columns.items() if len(values) != len(completions)}:
         raise ValueError(f"reasoning_gym() got {len(completions)} completions but columns of lengths {bad}.")
     rewards: list[float | None] = []
@@ -245,8 +245,8 @@ def reasoning_gym(
                 extract_answer(completion_text(completion)),
                 answer=answer[index],
                 metadata=metadata[index],
-                task=task[index],
-                task_options=task_options[index] if task_options else "{}",
+                task=gym_task[index],
+                task_options=gym_options[index] if gym_options else "{}",
                 question=question[index] if question else "",
             )
         )

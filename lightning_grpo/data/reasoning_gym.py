@@ -12,8 +12,8 @@ from `reasoning_gym.create_dataset(task, size=N, seed=s, **dataset_options)` (`N
 - `metadata`: the entry's metadata as JSON text, so pyarrow stores rows of any task in one column and the rollout
   child pickles them; tuples, sets and dicts with non-string keys are tagged so that decoding gives back exactly the
   entry's values (ARC's `score_answer` compares a grid of tuples, graph_color's reads a dict by int keys).
-- `task` and `task_options` (JSON): which generator and options made the row, so the scorer is rebuilt with the same
-  config (some tasks score by it, e.g. `decimal_arithmetic`'s precision).
+- `gym_task` and `gym_options` (JSON): which generator and options made the row, so the scorer is rebuilt with the
+  same config (some tasks score by it, e.g. `decimal_arithmetic`'s precision).
 
 `lightning_grpo.rewards.reasoning_gym` scores a completion with the task's own `score_answer`, given the text inside
 the completion's last `<answer>...</answer>` as reasoning-gym's `extract_answer` takes it (None when there is none).
@@ -95,7 +95,7 @@ def reasoning_gym_dataset(source: str, *, size: int | None, seed: int, options: 
     entries = reasoning_gym.create_dataset(task, seed=seed, **sized, **task_options)
     options_json = json.dumps(task_options, sort_keys=True)
     rows: dict[str, list[Any]] = {
-        key: [] for key in ("prompt", "question", "answer", "metadata", "task", "task_options")
+        key: [] for key in ("prompt", "question", "answer", "metadata", "gym_task", "gym_options")
     }
     for entry in entries:
         question = entry["question"]
@@ -104,8 +104,8 @@ def reasoning_gym_dataset(source: str, *, size: int | None, seed: int, options: 
         rows["question"].append(question)
         rows["answer"].append(None if entry["answer"] is None else str(entry["answer"]))
         rows["metadata"].append(encode_metadata(entry["metadata"]))
-        rows["task"].append(task)
-        rows["task_options"].append(options_json)
+        rows["gym_task"].append(task)
+        rows["gym_options"].append(options_json)
     return Dataset.from_dict(rows)
 
 
