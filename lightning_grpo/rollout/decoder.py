@@ -1,4 +1,4 @@
-"""One forward of a Llama-style causal LM over a continuous batch: running rows decode one token each while new
+"""One forward of a decoder-only causal LM over a continuous batch: running rows decode one token each while new
 prompts are prefilled, all in the same pass, over a KV cache laid out in slots.
 
 The embedded generator's engine (see `batching.py`). Every linear layer sees all tokens of the step at once, so the
@@ -10,8 +10,10 @@ slot of every sample of that prompt (one prefill per distinct prompt, whatever t
 The modules are the Hugging Face model's own (embeddings, norms, projections, MLP, rotary embedding, LM head), so
 weights copied into the model in place are used at the next step; the cache and the attention over it are ours, and
 a step of up to `small_matmul.MAX_ROWS` tokens runs the linear layers through the small-batch kernel where it is
-available (same weights, the same products summed in another order). Supported: the Llama family of decoders
-(`SUPPORTED_MODEL_TYPES`).
+available (same weights, the same products summed in another order). Supported: the families of
+`architectures.ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3, Gemma 3), whose differences (norm placement, rotary
+embedding per layer type, sliding-window layers) that table holds. A sliding-window layer masks the cache positions
+outside its window; the cache itself keeps every position.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from . import small_matmul
+from .architectures import ARCHITECTURES, architecture_of, layer_rotary_types, layer_windows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-#: `config.model_type`s whose decoder layers are Llama's (pre-norm attention with rotary embeddings, then an MLP).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: `config.model_type`s the decoder runs (see `architectures.ARCHITECTURES`).
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 # Cache slots and positions grow in these steps: each growth copies the whole cache once.
 _SLOT_STEP = 8
 _POSITION_STEP = 64
@@ -68,22 +71,28 @@ class _Linear:
 
 
 class _Layer:
-    """One decoder layer's modules, its linear layers wrapped as `_Linear`."""
+    """One decoder layer's modules, its linear layers wrapped as `_Linear`, its norms as its `Architecture` names
+    them, and its attention window (None: full) and rotary embedding's layer type (None: the one for all layers)."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, norms: tuple, window: int | None, rotary_type: str | None) -> None:
         attention, mlp = layer.self_attn, layer.mlp
-        self.attention, self.input_norm, self.post_norm = (
-            attention,
-            layer.input_layernorm,
-            layer.post_attention_layernorm,
+        self.attention = attention
+        self.pre_attention, self.post_attention, self.pre_mlp, self.post_mlp = (
+            getattr(layer, name) if name else _identity for name in norms
         )
         self.q, self.k, self.v, self.o = (_Linear(getattr(attention, f"{n}_proj")) for n in "qkvo")
         self.gate, self.up, self.down = _Linear(mlp.gate_proj), _Linear(mlp.up_proj), _Linear(mlp.down_proj)
         self.act = mlp.act_fn
+        self.window, self.rotary_type = window, rotary_type
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """The model's MLP (Llama's `down(act(gate(x)) * up(x))`)."""
-        return self.down(self.act(self.gate(x)) * self.up(x))
+        """The model's MLP branch: `down(act(gate(x)) * up(x))` between the layer's norms."""
+        x = self.pre_mlp(x)
+        return self.post_mlp(self.down(self.act(self.gate(x)) * self.up(x)))
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def packing_available(dtype: torch.dtype) -> bool:
@@ -108,17 +117,9 @@ class Prefix:
 
 
 def check_supported(model: PreTrainedModel | dict) -> None:
-    """Raise a `ValueError` naming the model type when `SlotDecoder` cannot run `model` (a model or its config dict)."""
-    config = model if isinstance(model, dict) else model.config.to_dict()
-    model_type = config.get("model_type")
-    sliding = model_type == "mistral" and config.get("sliding_window") is not None
-    sliding = sliding or bool(config.get("use_sliding_window", False))
-    if model_type not in SUPPORTED_MODEL_TYPES or sliding:
-        what = f"model_type={model_type!r}" + (" with a sliding attention window" if sliding else "")
-        raise ValueError(
-            f"The embedded generator runs Llama-family decoders ({', '.join(SUPPORTED_MODEL_TYPES)}, full attention); "
-            f"got {what}. Generate on a vLLM server instead: `GRPODataModule(generator='vllm', ...)`."
-        )
+    """Raise a `ValueError` naming the model type when `SlotDecoder` cannot run `model` (a model or its config dict);
+    see `architectures.architecture_of`."""
+    architecture_of(model if isinstance(model, dict) else model.config)
 
 
 class SlotDecoder:
@@ -135,11 +136,13 @@ class SlotDecoder:
     """
 
     def __init__(self, model: PreTrainedModel, packed: bool = False) -> None:
-        check_supported(model)
-        base = model.model
         config = model.config
+        norms = architecture_of(config).norms
+        base = model.model
         self._embed, self._norm, self._rotary = base.embed_tokens, base.norm, base.rotary_emb
-        self._layers = [_Layer(layer) for layer in list(base.layers)[: config.num_hidden_layers]]
+        layers = list(base.layers)[: config.num_hidden_layers]
+        per_layer = zip(layers, layer_windows(config), layer_rotary_types(config), strict=True)
+        self._layers = [_Layer(layer, norms, window, rotary_type) for layer, window, rotary_type in per_layer]
         head = model.lm_head
         self._head = _Linear(head, packed and head.weight.numel() >= _PACK_MIN_NUMEL)
         attention = self._layers[0].attention
@@ -225,13 +228,14 @@ class SlotDecoder:
             spans.append((start, start + len(prompt)))
             start += len(prompt)
         hidden = self._embed(ids)  # (tokens, hidden)
-        cos, sin = self._rotary(hidden, positions[None])
-        cos, sin = cos[0], sin[0]  # (tokens, head_dim)
-        mask = self._row_mask(lengths)
+        rotations = self._rotations(hidden, positions)
+        masks = {window: self._row_mask(lengths, window) for window in {layer.window for layer in self._layers}}
         prompt_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
         for index, layer in enumerate(self._layers):
+            cos, sin = rotations[layer.rotary_type]
+            mask = masks[layer.window]
             hidden = hidden + self._attention(index, layer, hidden, cos, sin, mask, spans, prompt_kv)
-            hidden = hidden + layer.mlp(layer.post_norm(hidden))
+            hidden = hidden + layer.mlp(hidden)
         last = torch.tensor([*range(rows), *(end - 1 for _, end in spans)], dtype=torch.long)
         logits = self._head(self._norm(hidden[last])).float()
         self.lengths[:rows] += 1
@@ -246,17 +250,30 @@ class SlotDecoder:
         ]
         return logits[:rows], prefixes
 
-    def _row_mask(self, lengths: torch.Tensor) -> torch.Tensor | None:
-        """(rows, 1, 1, width) additive mask over the slot positions each row attends to (its length + 1)."""
+    def _rotations(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple]:
+        """(cos, sin), each (tokens, head_dim), per rotary layer type the layers use (None: the model's only one)."""
+        rotations = {}
+        for rotary_type in {layer.rotary_type for layer in self._layers}:
+            extra = () if rotary_type is None else (rotary_type,)
+            cos, sin = self._rotary(hidden, positions[None], *extra)
+            rotations[rotary_type] = cos[0], sin[0]
+        return rotations
+
+    def _row_mask(self, lengths: torch.Tensor, window: int | None) -> torch.Tensor | None:
+        """(rows, 1, 1, width) additive mask over the slot positions each row attends to: its length + 1, or the
+        last `window` of them (a sliding-window layer: key `j` is seen from position `p` when `p - j < window`)."""
         if lengths.numel() == 0:
             return None
         width = int(lengths.max()) + 1
-        beyond = torch.arange(width)[None, :] > lengths[:, None]
-        return torch.zeros(beyond.shape, dtype=self._dtype).masked_fill_(beyond, float("-inf"))[:, None, None]
+        keys = torch.arange(width)[None, :]
+        hidden = keys > lengths[:, None]
+        if window is not None:
+            hidden |= keys <= lengths[:, None] - window
+        return torch.zeros(hidden.shape, dtype=self._dtype).masked_fill_(hidden, float("-inf"))[:, None, None]
 
     def _attention(self, index, layer, hidden, cos, sin, mask, spans, prompt_kv) -> torch.Tensor:
         attention = layer.attention
-        x = layer.input_norm(hidden)
+        x = layer.pre_attention(hidden)
         count = x.shape[0]
         q = layer.q(x).view(count, self.heads, self.head_dim)
         k = layer.k(x).view(count, self.kv_heads, self.head_dim)
@@ -275,12 +292,12 @@ class SlotDecoder:
                 q[start:end].transpose(0, 1)[None],
                 keys[None],
                 values[None],
-                is_causal=True,
+                **_prompt_mask(end - start, layer.window),
                 scale=self._scale,
                 enable_gqa=self.heads != self.kv_heads,
             )
             out[start:end] = attended[0].transpose(0, 1)
-        return layer.o(out.view(count, -1))
+        return layer.post_attention(layer.o(out.view(count, -1)))
 
     def _decode_attention(self, index, q, k, v, mask) -> torch.Tensor:
         """Each row's query against its slot: (rows, heads, head_dim) after appending its key and value."""
@@ -294,3 +311,11 @@ class SlotDecoder:
         scores = torch.matmul(grouped, keys[:rows, :, :width].transpose(-1, -2)).mul_(self._scale).add_(mask)
         out = torch.matmul(scores.softmax(dim=-1), values[:rows, :, :width])
         return out.view(rows, self.heads, self.head_dim)
+
+
+def _prompt_mask(length: int, window: int | None) -> dict:
+    """SDPA's mask arguments for a prompt's causal attention to itself, within `window` positions when set."""
+    if window is None or length <= window:
+        return {"is_causal": True}
+    gap = torch.arange(length)[:, None] - torch.arange(length)[None, :]
+    return {"attn_mask": (gap >= 0) & (gap < window)}

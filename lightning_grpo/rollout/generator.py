@@ -106,8 +106,8 @@ class EmbeddedGenerator:
     model built without weights (`PolicySpec(config=...)`) waits for the first sync.
 
     Sampling follows vLLM's order and its `processed_logprobs`: repetition penalty, temperature, min-p, top-k, top-p
-    (`process_logits`); each logprob is that of the distribution its token was drawn from. Runs Llama-family decoders
-    (`decoder.SUPPORTED_MODEL_TYPES`).
+    (`process_logits`); each logprob is that of the distribution its token was drawn from. Runs the decoder families
+    of `architectures.ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3, Gemma 3).
 
     Call `generate` from one event loop at a time. `close()` (or the context manager) stops the thread.
 
