@@ -443,19 +443,28 @@ def _http_ok(url: str) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m lightning_grpo.serving.vllm_server --model NAME [--port N]`: serve until Ctrl-C or SIGTERM."""
-    parser = argparse.ArgumentParser(prog="python -m lightning_grpo.serving.vllm_server", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="lightning-grpo vllm-serve",
+        description="Start a vLLM server (OpenAI API, plus TRL's weight-update routes) for GRPODataModule(generator="
+        "'vllm') from vLLM's own environment, and serve until Ctrl-C or SIGTERM. The same as `python -m "
+        "lightning_grpo.serving.vllm_server`.",
+        epilog="Any other option is passed to `vllm serve` as it is.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument(
         "--model", default="tiny-random", help="tiny-random, smollm2-135m-instruct, a folder or Hub name"
     )
-    parser.add_argument("--served-model-name", default=None, help="name requests send as 'model' (default: --model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--kv-cache-gib", type=int, default=1)
-    parser.add_argument("--venv", default=None, help="vLLM's environment (default .venv-vllm)")
-    parser.add_argument("--log", default=None, help="server log file (default: a temporary file)")
-    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--served-model-name", default=None, help="name requests send as 'model'; None: the --model value")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="float32 logprobs match a float32 trainer"
+    )
+    parser.add_argument("--max-model-len", type=int, default=1024, help="longest prompt + completion, in tokens")
+    parser.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size (VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument("--venv", default=None, help="vLLM's environment; None: .venv-vllm")
+    parser.add_argument("--log", default=None, help="server log file; None: a temporary file")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="serve LoRA adapters up to this rank")
     parser.add_argument("--max-loras", type=int, default=4, help="LoRA adapters held at once (max_staleness + 2)")
     args, extra = parser.parse_known_args(argv)
