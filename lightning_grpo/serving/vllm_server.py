@@ -454,7 +454,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--model", default="tiny-random", help="tiny-random, smollm2-135m-instruct, a folder or Hub name"
     )
-    parser.add_argument("--served-model-name", default=None, help="name requests send as 'model'; None: the --model value")
+    parser.add_argument(
+        "--served-model-name", default=None, help="name requests send as 'model'; None: the --model value"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument(
