@@ -33,14 +33,6 @@ def run_command(args: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
 
 
 @pytest.fixture
-def in_process(monkeypatch, tmp_path):
-    """Run the command in this process from `tmp_path`, as `lightning-grpo` with no other argv (LightningCLI warns
-    when both `args` and `sys.argv` carry arguments)."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["lightning-grpo"])
-
-
-@pytest.fixture
 def started_processes(monkeypatch) -> list[str]:
     """Records every process started from now on (multiprocessing or subprocess), then starts it as usual."""
     started: list[str] = []
