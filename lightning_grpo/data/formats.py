@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from datasets import Dataset
 
-from .sources import ANSWER_INSTRUCTION, check_columns
+from .sources import ANSWER_INSTRUCTION
 
 DatasetFormat = Literal["gsm8k", "math", "prompt_answer"]
 
@@ -127,7 +127,7 @@ def last_boxed(text: str) -> str | None:
 
 def _gsm8k(dataset: Dataset, opts: dict[str, str], source: str) -> Dataset:
     question, answer = opts["question_key"], opts["answer_key"]
-    check_columns(dataset, {question, answer}, source=f"{source} (dataset_format='gsm8k')")
+    _require(dataset, {question, answer}, "gsm8k", source)
     solutions = [_text(value) for value in dataset[answer]]
     finals = _extract(solutions, gsm8k_final_answer, source, answer, "no '#### <final answer>' line")
     prompts = [_prompt(_text(text), opts["instruction"]) for text in dataset[question]]
@@ -137,7 +137,7 @@ def _gsm8k(dataset: Dataset, opts: dict[str, str], source: str) -> Dataset:
 def _math(dataset: Dataset, opts: dict[str, str], source: str) -> Dataset:
     problem, solution, answer = opts["problem_key"], opts["solution_key"], opts["answer_key"]
     has_answer = answer in dataset.column_names
-    check_columns(dataset, {problem} if has_answer else {problem, solution}, source=f"{source} (dataset_format='math')")
+    _require(dataset, {problem} if has_answer else {problem, solution}, "math", source)
     given = [_text(value).strip() for value in dataset[answer]] if has_answer else [""] * len(dataset)
     solutions = (
         [_text(value) for value in dataset[solution]] if solution in dataset.column_names else [""] * len(dataset)
@@ -156,7 +156,7 @@ def _math(dataset: Dataset, opts: dict[str, str], source: str) -> Dataset:
 
 def _prompt_answer(dataset: Dataset, opts: dict[str, str], source: str) -> Dataset:
     prompt, answer = opts["prompt_key"], opts["answer_key"]
-    check_columns(dataset, {prompt, answer}, source=f"{source} (dataset_format='prompt_answer')")
+    _require(dataset, {prompt, answer}, "prompt_answer", source)
     finals = _extract(
         list(dataset[answer]), lambda v: None if v is None else str(v).strip() or None, source, answer, "no answer"
     )
@@ -165,6 +165,16 @@ def _prompt_answer(dataset: Dataset, opts: dict[str, str], source: str) -> Datas
         _prompt(p, instruction) if isinstance(p, str) else _messages_prompt(p, instruction) for p in dataset[prompt]
     ]
     return _with_columns(dataset, {"prompt": prompts, "answer": finals})
+
+
+def _require(dataset: Dataset, columns: set[str], dataset_format: str, source: str) -> None:
+    if missing := sorted(columns - set(dataset.column_names)):
+        keys = [key for key in FORMAT_OPTIONS[dataset_format] if key.endswith("_key")]
+        raise ValueError(
+            f"{source} has no column(s) {missing} for dataset_format={dataset_format!r}; it has "
+            f"{dataset.column_names}. Name your columns with dataset_options ({', '.join(keys)}), or pick the "
+            f"dataset_format that matches the file ({', '.join(map(repr, DATASET_FORMATS))})."
+        )
 
 
 def _extract(values: list[Any], extract: Callable[[Any], str | None], source: str, column: str, what: str) -> list[str]:

@@ -23,6 +23,7 @@ This module imports no Lightning (the reward runs in the rollout child) and impo
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 from typing import Any
@@ -51,7 +52,9 @@ def option_problems(source: str, options: dict[str, Any] | None) -> list[str]:
     registry = _registry()
     task = task_name(source)
     if task not in registry:
-        return [f"dataset={source!r}: reasoning-gym has no task {task!r}; it has {sorted(registry)}"]
+        close = difflib.get_close_matches(task, registry, n=3)
+        hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+        return [f"dataset={source!r}: reasoning-gym has no task {task!r}; {hint}It has {sorted(registry)}"]
     options = dict(options or {})
     system_prompt = options.pop(SYSTEM_PROMPT_OPTION, DEFAULT_SYSTEM_PROMPT)
     problems = [] if isinstance(system_prompt, str) else [f"dataset_options['system_prompt']={system_prompt!r}"]

@@ -132,7 +132,9 @@ def test_rows_without_an_extractable_answer_are_an_error_naming_the_rows_and_the
         model="tiny-random", dataset=write(GSM8K_ROWS, tmp_path / "g.jsonl"), dataset_format="math"
     )
     with pytest.raises(
-        ValueError, match=r"dataset_format='math'\) has no column\(s\) \['problem'\]; it has \['question', 'answer'\]"
+        ValueError,
+        match=r"has no column\(s\) \['problem'\] for dataset_format='math'; it has \['question', 'answer'\]\. Name "
+        r"your columns with dataset_options \(problem_key, solution_key, answer_key\)",
     ):
         datamodule.check_data()
 

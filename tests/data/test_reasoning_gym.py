@@ -133,7 +133,9 @@ def test_rows_survive_parquet_and_pickling_and_still_score():
 
 
 def test_bad_task_or_options_fail_at_construction_naming_them():
-    with pytest.raises(ValueError, match=r"reasoning-gym has no task 'countdwn'; it has \[.*'countdown'"):
+    with pytest.raises(
+        ValueError, match=r"no task 'countdwn'; did you mean 'countdown'( or '\w+')*\? It has \[.*'countdown'"
+    ):
         GRPODataModule(model="tiny-random", dataset="reasoning_gym:countdwn")
     with pytest.raises(ValueError, match=r"\['max_nums'\] are not options of reasoning-gym's 'countdown' \(it has \["):
         GRPODataModule(model="tiny-random", dataset="reasoning_gym:countdown", dataset_options={"max_nums": 3})
