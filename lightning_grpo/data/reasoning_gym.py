@@ -10,8 +10,9 @@ from `reasoning_gym.create_dataset(task, size=N, seed=s, **dataset_options)` (`N
   or `""` for none; every other key is an option of the task's config (e.g. countdown's `min_numbers`).
 - `question`, `answer` (None for tasks with many right answers, which score by checking, e.g. `rush_hour`).
 - `metadata`: the entry's metadata as JSON text, so pyarrow stores rows of any task in one column and the rollout
-  child pickles them; tuples, sets and dicts with non-string keys are tagged so that decoding gives back exactly the
-  entry's values (ARC's `score_answer` compares a grid of tuples, graph_color's reads a dict by int keys).
+  child pickles them; tuples, sets, fractions and dicts with non-string keys are tagged so that decoding gives back
+  exactly the entry's values (ARC's `score_answer` compares a grid of tuples, graph_color's reads a dict by int keys,
+  gsm_symbolic keeps fractions).
 - `gym_task` and `gym_options` (JSON): which generator and options made the row, so the scorer is rebuilt with the
   same config (some tasks score by it, e.g. `decimal_arithmetic`'s precision).
 
@@ -26,6 +27,8 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 PREFIX = "reasoning_gym:"
@@ -128,11 +131,12 @@ def extract_answer(text: str) -> str | None:
 
 
 def encode_metadata(metadata: dict[str, Any]) -> str:
-    """`metadata` as JSON text; tuples become `{"__tuple__": [...]}`, sets `{"__set__": [...]}` and dicts with keys
-    that are not strings `{"__items__": [[key, value], ...]}`.
+    """`metadata` as JSON text; tuples become `{"__tuple__": [...]}`, sets `{"__set__": [...]}`, dicts with keys that
+    are not strings `{"__items__": [[key, value], ...]}`, fractions `{"__fraction__": "1/2"}` and decimals
+    `{"__decimal__": "0.5"}`; numpy values become Python ones. No pickle: decoding a dataset runs no code.
 
     Raises:
-        TypeError: a value that is not JSON, a tuple, a set or a numpy scalar or array.
+        TypeError: a value of another type (none of reasoning-gym 0.1.25's tasks makes one).
     """
     return json.dumps(_tagged(metadata), sort_keys=True)
 
@@ -155,6 +159,10 @@ def _tagged(value: Any) -> Any:
         return [_tagged(item) for item in value]
     if value is None or isinstance(value, str | int | float | bool):
         return value
+    if isinstance(value, Fraction):  # gsm_symbolic's quantities
+        return {"__fraction__": str(value)}
+    if isinstance(value, Decimal):
+        return {"__decimal__": str(value)}
     if hasattr(value, "tolist"):  # numpy scalars and arrays
         return _tagged(value.tolist())
     raise TypeError(f"reasoning-gym metadata value {value!r:.100} of type {type(value).__name__} is not serialisable")
@@ -165,6 +173,10 @@ def _untag(value: dict[str, Any]) -> Any:
         return tuple(value["__tuple__"])
     if value.keys() == {"__set__"}:
         return {_hashable(item) for item in value["__set__"]}
+    if value.keys() == {"__fraction__"}:
+        return Fraction(value["__fraction__"])
+    if value.keys() == {"__decimal__"}:
+        return Decimal(value["__decimal__"])
     if value.keys() == {"__items__"}:
         return {_hashable(key): item for key, item in value["__items__"]}
     return value
