@@ -7,7 +7,9 @@ from `reasoning_gym.create_dataset(task, size=N, seed=s, **dataset_options)` (`N
 - `prompt`: chat messages: reasoning-gym's `"default"` system prompt (think step by step, then the answer inside
   `<answer>...</answer>`, the format its `extract_answer` reads), then the entry's `question` as the user message.
   `dataset_options={"system_prompt": ...}` takes another of `reasoning_gym.utils.SYSTEM_PROMPTS`' names, any text,
-  or `""` for none; every other key is an option of the task's config (e.g. countdown's `min_numbers`).
+  or `""` for none; every other key is an option of the task's config (e.g. countdown's `min_numbers`). Tasks mix
+  with `reasoning_gym:composite` and `{"datasets": [{"name": "countdown", "weight": 2, "config": {...}}, ...]}`
+  (`weight` defaults to 1, `config` to the task's defaults).
 - `question`, `answer` (None for tasks with many right answers, which score by checking, e.g. `rush_hour`).
 - `metadata`: the entry's metadata as JSON text, so pyarrow stores rows of any task in one column and the rollout
   child pickles them; tuples, sets, fractions and dicts with non-string keys are tagged so that decoding gives back
@@ -69,9 +71,16 @@ def option_problems(source: str, options: dict[str, Any] | None) -> list[str]:
         problems.append(
             f"dataset_options {unknown} are not options of reasoning-gym's {task!r} (it has {sorted(fields - {'size', 'seed'})})"
         )
+    if task == "composite":
+        names = [spec.get("name") for spec in options.get("datasets") or [] if isinstance(spec, dict)]
+        problems += [
+            f"dataset_options['datasets'] names {name!r}, not a reasoning-gym task"
+            for name in names
+            if name not in registry
+        ]
     if not problems:
         try:
-            config = config_cls(**options)
+            config = config_cls(**_config_options(task, options))
             if hasattr(config, "validate"):
                 config.validate()
         except (AssertionError, ValueError, TypeError) as error:
@@ -98,7 +107,7 @@ def reasoning_gym_dataset(source: str, *, size: int | None, seed: int, options: 
     task_options = {key: value for key, value in (options or {}).items() if key != SYSTEM_PROMPT_OPTION}
     system = _system_prompt((options or {}).get(SYSTEM_PROMPT_OPTION, DEFAULT_SYSTEM_PROMPT))
     sized = {"size": size} if size is not None else {}
-    entries = reasoning_gym.create_dataset(task, seed=seed, **sized, **task_options)
+    entries = reasoning_gym.create_dataset(task, seed=seed, **sized, **_config_options(task, task_options))
     options_json = json.dumps(task_options, sort_keys=True)
     rows: dict[str, list[Any]] = {
         key: [] for key in ("prompt", "question", "answer", "metadata", "gym_task", "gym_options")
@@ -197,7 +206,21 @@ def _scorer(task: str, task_options: str) -> Any:
     """One dataset per task and options in each process, built once: its `score_answer` (some read its config)."""
     import reasoning_gym
 
-    return reasoning_gym.create_dataset(task, size=1, seed=0, **json.loads(task_options)).score_answer
+    options = _config_options(task, json.loads(task_options))
+    return reasoning_gym.create_dataset(task, size=1, seed=0, **options).score_answer
+
+
+def _config_options(task: str, options: dict[str, Any]) -> dict[str, Any]:
+    """`options` as the task's config takes them: composite's `datasets` entries become its `DatasetSpec`s."""
+    if task != "composite" or not isinstance(options.get("datasets"), list):
+        return options
+    from reasoning_gym.composite import DatasetSpec
+
+    specs = [
+        DatasetSpec(**{"weight": 1.0, "config": {}} | spec) if isinstance(spec, dict) else spec
+        for spec in options["datasets"]
+    ]
+    return options | {"datasets": specs}
 
 
 def _registry() -> dict[str, Any]:

@@ -202,3 +202,19 @@ def test_a_tiny_model_fits_one_step_on_countdown(tmp_path, no_leaked_processes):
     metrics = pd.read_csv(next(tmp_path.rglob("metrics.csv")))
     gym = metrics["rewards/reasoning_gym"].dropna()
     assert len(gym) >= 1 and all(math.isfinite(value) and 0.01 <= value <= 1.0 for value in gym)
+
+
+def test_composite_mixes_tasks_and_each_row_scores_by_its_own_task():
+    options = {
+        "datasets": [{"name": "countdown", "config": {"min_numbers": 3, "max_numbers": 3}}, {"name": "gsm_symbolic"}]
+    }
+    rows = gym_module("composite", size=8, dataset_options=options).train_prompts
+    sources = [json.loads(metadata)["source_dataset"] for metadata in rows["metadata"]]
+    assert set(sources) == {"countdown", "gsm_symbolic"}
+    assert all(scores(rows, index, [answered(rows["answer"][index])]) == [1.0] for index in range(8))
+    wrong = [scores(rows, index, [answered("1")])[0] for index in range(8)]
+    assert wrong == [0.05 if source == "countdown" else 0.01 for source in sources]  # each task's own partial credit
+    with pytest.raises(ValueError, match=r"dataset_options\['datasets'\] names 'countdwn', not a reasoning-gym task"):
+        GRPODataModule(
+            model="tiny-random", dataset="reasoning_gym:composite", dataset_options={"datasets": [{"name": "countdwn"}]}
+        )
