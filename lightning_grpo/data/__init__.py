@@ -1,5 +1,6 @@
-"""What `GRPODataModule` resolves before anything starts: prompt sources and their columns (`sources`), the checks of
-its options (`options`), and the tools, environments and prompt rendering of its conversations (`tooling`)."""
+"""What `GRPODataModule` resolves before anything starts: prompt sources and their columns (`sources`), the dataset
+presets (`formats`: GSM8K, MATH, prompt + answer), reasoning-gym's tasks and their scorer (`reasoning_gym`), the checks
+of its options (`options`), and the tools, environments and prompt rendering of its conversations (`tooling`)."""
 
 from __future__ import annotations
 
