@@ -5,7 +5,8 @@
 
 Arguments are `lightning-grpo fit` arguments (the default config is the packaged `arithmetic.yaml`). It prints the
 held-out greedy accuracy before and after, the minutes the fit took and the peak memory, writes `reward.png`
-(training reward per step, held-out accuracy at each validation) and `summary.json` beside the CSV logger's
+(training reward per step, held-out accuracy at each validation; steps counted as the log counts them, so the
+point of "Validation at step 16" is at 16) and `summary.json` beside the CSV logger's
 `metrics.csv` and `completions.csv`, and ends with where they are. The printed output fits one screen besides the
 progress bar: Lightning's start-up notes (devices found, a logger tip) and its model summary are left out, and the
 policy is described in one line instead (`--trainer.enable_model_summary true` brings the summary back).
@@ -130,34 +131,58 @@ def _quiet_lightning_notes() -> None:
             logger.addFilter(_LightningNotes())
 
 
-def plot_rewards(metrics_csv: Path, out: Path, before: float | None = None) -> None:
-    """Training reward per optimizer step (and its running mean), and held-out accuracy at each validation."""
-    import matplotlib
+def optimizer_steps(metrics: Any) -> Any:
+    """The optimizer steps done when each row of a `metrics.csv` (a pandas DataFrame) was logged, as a Series.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    This is the numbering of the progress bar ("Validation at step 16"), `trainer.global_step`, checkpoint names
+    and `summary.json`: the first step's training row is 1, and so is a validation right after it; a validation
+    before training (the main job's "before") is 0. The CSV's own `step` column is Lightning's 0-based index of the
+    step that logged the row, which puts a validation after 16 steps at 15. Rows are in the order they were logged.
+    """
+    training = [
+        column for column in metrics.columns if column not in ("step", "epoch") and not column.startswith("val/")
+    ]
+    trained = metrics[training].notna().any(axis=1).to_numpy().cumsum() > 0  # from the first training row on
+    return (metrics["step"] + 1).where(trained, 0).astype(int)
+
+
+def plot_rewards(
+    metrics_csv: Path, out: Path | None = None, before: float | None = None, held_out: str = ACCURACY
+) -> Any:
+    """Training reward per optimizer step (and its running mean), and held-out `held_out` at each validation.
+
+    Steps are counted as `optimizer_steps` does (1 = after the first step); `before`, the held-out score before
+    training, is drawn at 0 unless the CSV already has a validation there. Writes the figure to `out` (if given) and
+    returns it (a `matplotlib.figure.Figure`).
+    """
     import pandas as pd
+    from matplotlib.figure import Figure
 
     metrics = pd.read_csv(metrics_csv)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    metrics["optimizer_step"] = optimizer_steps(metrics)
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     if "reward" in metrics:
-        train = metrics[["step", "reward"]].dropna()
-        ax.plot(train["step"], train["reward"], alpha=0.35, label="training reward (per step)")
-        ax.plot(train["step"], train["reward"].rolling(8, min_periods=1).mean(), label="training reward (mean of 8)")
-    if ACCURACY in metrics:
-        val = metrics[["step", ACCURACY]].dropna()
-        steps, values = list(val["step"]), list(val[ACCURACY])
-        if before is not None:
-            steps, values = [0, *steps], [before, *values]
-        ax.plot(steps, values, "o-", label="held-out greedy accuracy")
+        train = metrics[["optimizer_step", "reward"]].dropna()
+        ax.plot(train["optimizer_step"], train["reward"], alpha=0.35, label="training reward (per step)")
+        mean = train["reward"].rolling(8, min_periods=1).mean()
+        ax.plot(train["optimizer_step"], mean, label="training reward (mean of 8)")
+    val = metrics[["optimizer_step", held_out]].dropna() if held_out in metrics else metrics.iloc[:0]
+    steps, values = list(val["optimizer_step"]), list(val.get(held_out, []))
+    if before is not None and 0 not in steps:
+        steps, values = [0, *steps], [before, *values]
+    if steps:
+        name = held_out.removeprefix("val/rewards/").removeprefix("val/")
+        ax.plot(steps, values, "o-", label=f"held-out greedy {name}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    if out is not None:
+        fig.savefig(out, dpi=120)
+    return fig
 
 
 def _accuracy(results: list[dict[str, float]]) -> float:
