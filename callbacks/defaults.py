@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 
 from .completions_table import CompletionsTableCallback
+from .preemption import PreemptionCallback
 from .rollout_metrics import RolloutMetricsCallback
 from .rollout_stop import RolloutStopCallback
 from .weight_sync import WeightSyncCallback
@@ -20,8 +21,8 @@ def required_callbacks(present: list[pl.Callback]) -> list[pl.Callback]:
     look-ahead); `RolloutMetricsCallback` logs what the rollout side measured up to there, the look-ahead's drops
     included. Lightning appends the callbacks returned by `configure_callbacks` after the trainer's, replacing the
     trainer's own of the same types: a callback the trainer has is returned (moved) only when one before it in that
-    order is added or comes after it. A `CompletionsTableCallback` is added when the trainer has none; it may run
-    anywhere.
+    order is added or comes after it. A `CompletionsTableCallback` and a `PreemptionCallback` are added when the
+    trainer has none; they may run anywhere.
     """
 
     def find(cls: type) -> pl.Callback | None:
@@ -39,4 +40,6 @@ def required_callbacks(present: list[pl.Callback]) -> list[pl.Callback]:
             position = present.index(own)
     if find(CompletionsTableCallback) is None:
         returned.append(CompletionsTableCallback())
+    if find(PreemptionCallback) is None:
+        returned.append(PreemptionCallback())
     return returned

@@ -6,11 +6,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_grpo.contract import require_rollout_source
 from lightning_grpo.pipeline.batch import StepBatch
 
+from .preemption import preempting
 from .weight_sync import WeightSyncCallback
 
 
@@ -28,6 +30,8 @@ class RolloutStopCallback(Callback):
 
     - a clean stop (every prompt group consumed) sets `trainer.should_stop` on every rank, so the fit ends after this
       step, with Lightning's end-of-fit validation, also with `max_epochs=-1`;
+    - a stop sent because the trainer received SIGTERM while it waited for rollouts ends the fit through Lightning's
+      `SIGTERMException` (see `PreemptionCallback`); after SIGTERM no step is looked ahead;
     - a stop with an error (a full pass over the prompts trained nothing, or the rollout child died or hung) raises
       `RolloutStreamError` with that message on every rank at once, so no rank is left waiting in a collective.
 
@@ -63,16 +67,19 @@ class RolloutStopCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        look_ahead = not trainer.should_stop and not _max_steps_reached(trainer)
+        look_ahead = not trainer.should_stop and not _max_steps_reached(trainer) and not preempting(trainer)
         self._end(trainer, trainer.datamodule.finish_step(batch, look_ahead=look_ahead))
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._end(trainer, trainer.datamodule.stream_stop())
+        stop = trainer.datamodule.stream_stop()
+        if stop is not None and stop.preempted:
+            raise SIGTERMException()  # before Lightning counts the epoch done, so a resume goes on in this epoch
+        self._end(trainer, stop)
 
     @staticmethod
     def _end(trainer: pl.Trainer, stop: StepBatch | None) -> None:
-        if stop is None:
+        if stop is None or stop.preempted:  # Lightning raises SIGTERMException once this batch's hooks ran
             return
         if stop.error:
             raise RolloutStreamError(stop.error)

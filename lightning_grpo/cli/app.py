@@ -68,6 +68,9 @@ def main(args: list[str] | None = None) -> None:
 
         raise SystemExit(export(argv[1:]))
     if first in _LIGHTNING_SUBCOMMANDS or (first.startswith("-") and first not in ("-h", "--help", "--version")):
+        from .exiting import skip_final_collection
+
+        skip_final_collection()  # a preempted fit's exit stays within seconds of its checkpoint
         cli(args)
         return
     _top_level_parser().parse_args(argv)  # --help and --version exit 0; anything else exits 2 naming it

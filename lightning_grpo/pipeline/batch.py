@@ -73,9 +73,10 @@ class StepBatch:
     reward_names: list[str] = field(default_factory=list)
     stop: bool = False
     error: str | None = None
+    preempted: bool = False  # a stop item sent because the trainer was asked to stop (SIGTERM) while it waited
     metrics: dict[str, Any] = field(default_factory=dict)
     samples: list[RolloutSample] = field(default_factory=list)
 
     @classmethod
-    def stop_item(cls, error: str | None = None) -> StepBatch:
-        return cls(stop=True, error=error)
+    def stop_item(cls, error: str | None = None, *, preempted: bool = False) -> StepBatch:
+        return cls(stop=True, error=error, preempted=preempted)

@@ -61,6 +61,7 @@ class RolloutSession:
         scorers: Sequence[Any],
         model_version: Callable[[], int],
         generator: Any,
+        interrupted: Callable[[], bool] | None = None,
     ) -> RolloutSession:
         """Spawn the rollout child and build the pipeline over its queue.
 
@@ -70,6 +71,7 @@ class RolloutSession:
             scorers: the module's trainer scorers; with any, the child leaves advantages pending.
             model_version: the policy version the staleness filter compares against (`WeightSync.version`).
             generator: the embedded generator's `GeneratorSpec`, or None for the vLLM server.
+            interrupted: True once the trainer must stop (SIGTERM): waiting for rollouts then ends at once.
 
         Raises:
             RuntimeError: the child failed while starting (its traceback is in the message).
@@ -89,6 +91,7 @@ class RolloutSession:
             heartbeat_timeout=hp.heartbeat_timeout,
             metrics=metrics,
             core_sharing=options.core_sharing,
+            interrupted=interrupted,
         )
         return cls(worker, pipeline, metrics)
 
@@ -283,4 +286,5 @@ def start_rollout_session(datamodule: Any, module: Any) -> RolloutSession:
         scorers=list(module.scorers),
         model_version=lambda: sync.version,
         generator=embedded_generator_spec(hp, module.policy, eos, datamodule.tokenizer, sync.receiver()),
+        interrupted=lambda: datamodule.trainer.received_sigterm,  # Lightning's SIGTERM flag (PreemptionCallback)
     )

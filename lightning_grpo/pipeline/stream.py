@@ -33,6 +33,14 @@ log = logging.getLogger(__name__)
 STEP_GAUGES = ("sample/staleness_mean", "sample/staleness_max", "sample/time_in_queue_s")
 
 
+class RolloutPreempted(BaseException):  # noqa: N818 - like KeyboardInterrupt, it is a request, not an error
+    """Raised on rank 0 while it waits for rollouts once `RolloutPipeline.interrupted` says the trainer must stop.
+
+    A `BaseException`, so the planner and `StopAwareDataset` do not turn it into a partial step or an error stop;
+    `StepStream` sends every rank a stop item with `preempted=True` instead.
+    """
+
+
 class RolloutPipeline:
     """Rank 0's pipeline from the rollout queue to per-rank step batches; iterate it once.
 
@@ -52,6 +60,8 @@ class RolloutPipeline:
         heartbeat_timeout: seconds without a heartbeat after which the rollout child counts as hung.
         metrics: the sink the pipeline's stages append to.
         core_sharing: a `CoreSharing` to tell the generator while the trainer waits for rollouts, or None.
+        interrupted: polled (about once a second) while the trainer waits for rollouts; when it returns True the wait
+            ends with `RolloutPreempted` (the trainer received SIGTERM), so a preemption never waits for generation.
     """
 
     def __init__(
@@ -67,8 +77,10 @@ class RolloutPipeline:
         heartbeat_timeout: float,
         metrics: dict[str, list],
         core_sharing: Any = None,
+        interrupted: Callable[[], bool] | None = None,
     ) -> None:
         self.worker = worker
+        self.interrupted = interrupted
         self.progress = progress
         self.metrics = metrics
         self._settled_at_start = progress.settled()
@@ -89,6 +101,8 @@ class RolloutPipeline:
 
     def _poll(self) -> None:
         """While waiting for rollouts: fail on a dead or hung child, and tell it how far the trainer got (pacing)."""
+        if self.interrupted is not None and self.interrupted():
+            raise RolloutPreempted()
         self.worker.check_health(self._heartbeat_timeout)
         self.report_consumed()
 
@@ -206,6 +220,8 @@ class StepStream(torch.utils.data.IterableDataset):
                 batches = next(self._steps)
             except StopIteration:
                 batches = [StepBatch.stop_item("The rollout pipeline ended without a stop item.")] * self.world_size
+            except RolloutPreempted:
+                batches = [StepBatch.stop_item(preempted=True)] * self.world_size
         if self.world_size == 1:
             return batches[0]
         received: list[Any] = [None]
