@@ -92,9 +92,10 @@ def tiny_llama(seed: int = 0, vocab_size: int = 100) -> LlamaForCausalLM:
     return model.eval()
 
 
-def tiny_gemma3_config(vocab_size: int = 100, sliding_window: int = 4) -> Gemma3TextConfig:
+def tiny_gemma3_config(vocab_size: int = 100, sliding_window: int = 4, head_dim: int = 16) -> Gemma3TextConfig:
     """Config of the tiny random Gemma 3: hidden 64, 3 layers (sliding, global, sliding) with a window of
-    `sliding_window` positions, 4 query heads sharing 2 KV heads of 16 dimensions, the character tokenizer's ids."""
+    `sliding_window` positions, 4 query heads sharing 2 KV heads of `head_dim` dimensions (64 to be servable by
+    vLLM's CPU backend, which rejects 16), the character tokenizer's ids."""
     return Gemma3TextConfig(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -102,8 +103,8 @@ def tiny_gemma3_config(vocab_size: int = 100, sliding_window: int = 4) -> Gemma3
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
-        query_pre_attn_scalar=16,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         sliding_window=sliding_window,
         max_position_embeddings=2048,
@@ -114,7 +115,7 @@ def tiny_gemma3_config(vocab_size: int = 100, sliding_window: int = 4) -> Gemma3
     )
 
 
-def tiny_gemma3(seed: int = 0, vocab_size: int = 100, sliding_window: int = 4) -> Gemma3ForCausalLM:
+def tiny_gemma3(seed: int = 0, vocab_size: int = 100, sliding_window: int = 4, head_dim: int = 16) -> Gemma3ForCausalLM:
     """A tiny random `Gemma3ForCausalLM` in fp32, the same for the same seed.
 
     Its norm weights are drawn at random too: Gemma initialises them to 0, where its `(1 + weight)` RMSNorm and a
@@ -122,7 +123,7 @@ def tiny_gemma3(seed: int = 0, vocab_size: int = 100, sliding_window: int = 4) -
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Gemma3ForCausalLM(tiny_gemma3_config(vocab_size, sliding_window))
+        model = Gemma3ForCausalLM(tiny_gemma3_config(vocab_size, sliding_window, head_dim))
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
