@@ -178,7 +178,7 @@ def plot_rewards(
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="best")
     fig.tight_layout()
     if out is not None:
         fig.savefig(out, dpi=120)
