@@ -1,0 +1,191 @@
+"""Which dtype multiplies matrices faster on this CPU, fp32 or bf16: a probe run once per machine and cached.
+
+A bf16 matrix product is ~4x faster than fp32 where the CPU has bf16 instructions (AVX512_BF16, AMX, Arm's BF16) and
+~15x slower where it has not (AVX2: torch emulates bf16 through fp32 conversions), so the fast precision depends on
+the machine. `probe_matmul_precision()` reads the CPU's flags and times one fp32 and one bf16 product of a
+decoder-like shape (a decode step of 64 rows through a 576 x 1536 linear layer, SmolLM2's MLP) on one thread, about
+a tenth of a second, and says which dtype won, by how much and why. The verdict is cached in
+`<cache>/precision/` (`$LIGHTNING_GRPO_CACHE`, else `~/.cache/lightning_grpo`) under a key made of the CPU model,
+its flags, torch's version and CPU capability, so a process on the same machine and torch reads it back in
+microseconds and a new CPU or torch probes again.
+
+    >>> verdict = probe_matmul_precision()
+    >>> verdict.dtype, verdict.reason  # doctest: +SKIP
+    ('bfloat16', 'bf16 4.3x faster than fp32 here (AVX512_BF16)')
+
+Nothing uses it by default yet: a caller decides what to do with the verdict (and learning, not the kernel timing,
+decides whether bf16 is good enough for a run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from .smollm2 import default_cache_dir
+
+__all__ = ["PrecisionVerdict", "cpu_signature", "matmul_gflops", "probe_matmul_precision"]
+
+#: The probe's product: rows x inner -> outer, as `torch.nn.functional.linear` (a decode step of 64 rows through
+#: SmolLM2's 576 -> 1536 MLP projection; big enough that the kernel, not call overhead, decides).
+PROBE_SHAPE = (64, 576, 1536)
+#: bf16 must beat fp32 by this factor to be chosen: below it, the precision it loses is not worth the time it saves.
+MIN_SPEEDUP = 1.2
+#: Bumped when the probe itself changes, so that verdicts of an older probe are not read back.
+PROBE_VERSION = 1
+#: /proc/cpuinfo flags that decide bf16 speed, strongest first, with the name the reason gives them.
+_BF16_FLAGS = {"amx_bf16": "AMX_BF16", "avx512_bf16": "AVX512_BF16", "bf16": "BF16"}  # "bf16": Arm's Features
+DType = Literal["float32", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class PrecisionVerdict:
+    """The probe's answer: the faster matmul dtype here, by how much, and why in words.
+
+    Attributes:
+        dtype: "bfloat16" when bf16 products beat fp32 by at least `MIN_SPEEDUP`, else "float32".
+        bf16_speedup: fp32 time over bf16 time (above 1: bf16 is faster; 0.06: bf16 is 17x slower).
+        fp32_gflops, bf16_gflops: the two products' speed on one thread.
+        bf16_hardware: the CPU flag that makes bf16 fast ("AVX512_BF16", "AMX_BF16", "BF16"), or "" when none.
+        reason: one line for a start-up log, e.g. "bf16 4.4x faster than fp32 here (AVX512_BF16)".
+        key: the cache key (CPU model, flags, torch version and capability); a different key probes again.
+        from_cache: whether this verdict was read back rather than measured now.
+    """
+
+    dtype: DType
+    bf16_speedup: float
+    fp32_gflops: float
+    bf16_gflops: float
+    bf16_hardware: str
+    reason: str
+    key: str
+    from_cache: bool = False
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def cpu_signature() -> dict[str, str]:
+    """What the verdict depends on: the CPU model and flags (from /proc/cpuinfo; elsewhere the platform's processor
+    name and no flags), torch's version and the CPU capability its kernels were dispatched to."""
+    model, flags = "", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            name = name.strip().lower()
+            if name == "model name" and not model:
+                model = value.strip()
+            elif name in ("flags", "features") and not flags:  # x86 "flags", Arm "Features"
+                flags = " ".join(sorted(value.split()))
+    except OSError:  # macOS, Windows: no /proc
+        pass
+    return {
+        "cpu": model or platform.processor() or platform.machine(),
+        "flags": flags,
+        "torch": torch.__version__,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "probe": str(PROBE_VERSION),
+    }
+
+
+def matmul_gflops(
+    rows: int, inner: int, outer: int, dtype: torch.dtype, *, min_seconds: float = 0.02, min_reps: int = 3
+) -> float:
+    """GFLOP/s of `linear(x (rows, inner), w (outer, inner))` in `dtype` on the current torch threads: the fastest
+    of at least `min_reps` calls timed over at least `min_seconds`, after one warm-up call.
+
+    The fastest call, not the median: another process can only slow a call down, so the fastest is the closest to
+    what the hardware allows.
+    """
+    x = torch.randn(rows, inner).to(dtype)
+    w = torch.randn(outer, inner).to(dtype)
+    with torch.inference_mode():
+        torch.nn.functional.linear(x, w)
+        best, spent, reps = float("inf"), 0.0, 0
+        while reps < min_reps or spent < min_seconds:
+            started = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            elapsed = time.perf_counter() - started
+            best, spent, reps = min(best, elapsed), spent + elapsed, reps + 1
+    return 2.0 * rows * inner * outer / best / 1e9
+
+
+def probe_matmul_precision(cache_dir: str | Path | None = None, *, refresh: bool = False) -> PrecisionVerdict:
+    """Which dtype multiplies matrices faster on this CPU; measured once per machine and torch, then cached.
+
+    Args:
+        cache_dir: where verdicts are kept (one small JSON file per key); default `default_cache_dir()/precision`.
+        refresh: probe again even when a verdict for this machine is cached (and replace it).
+
+    Returns:
+        The `PrecisionVerdict`. The timing runs on one thread (restored afterwards), as the embedded generator runs;
+        an unreadable or stale cache file is probed again, never an error.
+    """
+    signature = cpu_signature()
+    key = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "precision"
+    path = path / f"{key}.json"
+    if not refresh and (cached := _read(path, key)) is not None:
+        return cached
+    verdict = _measure(signature, key)
+    _write(path, verdict)
+    return verdict
+
+
+def _measure(signature: dict[str, str], key: str) -> PrecisionVerdict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32 = matmul_gflops(*PROBE_SHAPE, torch.float32, min_seconds=0.05)
+        bf16 = matmul_gflops(*PROBE_SHAPE, torch.bfloat16, min_seconds=0.05)
+    finally:
+        torch.set_num_threads(threads)
+    flags = set(signature["flags"].split())
+    hardware = next((label for flag, label in _BF16_FLAGS.items() if flag in flags), "")
+    speedup = bf16 / fp32
+    dtype: DType = "bfloat16" if speedup >= MIN_SPEEDUP else "float32"
+    return PrecisionVerdict(dtype, speedup, fp32, bf16, hardware, _reason(speedup, hardware), key)
+
+
+def _reason(speedup: float, hardware: str) -> str:
+    why = hardware or "no bf16 hardware"
+    if speedup >= MIN_SPEEDUP:
+        return f"bf16 {speedup:.1f}x faster than fp32 here ({why})"
+    if speedup >= 1.0:
+        return f"bf16 only {speedup:.2f}x faster than fp32 here ({why}), under the {MIN_SPEEDUP}x worth its precision"
+    return f"bf16 {1 / speedup:.1f}x slower than fp32 here ({why})"
+
+
+def _read(path: Path, key: str) -> PrecisionVerdict | None:
+    try:
+        fields = json.loads(path.read_text())
+        verdict = PrecisionVerdict(**fields)
+    except (OSError, ValueError, TypeError):  # missing, half-written by an old version, or edited by hand
+        return None
+    if verdict.key != key or verdict.dtype not in ("float32", "bfloat16"):
+        return None
+    return replace(verdict, from_cache=True)
+
+
+def _write(path: Path, verdict: PrecisionVerdict) -> None:
+    """Atomically (ranks of one machine may probe at once); a read-only cache only loses the caching."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as file:
+            json.dump(asdict(verdict), file)
+    except OSError:
+        return
+    try:
+        os.replace(file.name, path)
+    except OSError:
+        Path(file.name).unlink(missing_ok=True)
