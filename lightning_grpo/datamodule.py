@@ -20,11 +20,13 @@ from .data.sources import check_source
 from .data.tooling import ConversationSpec, resolve_environment_factory, resolve_tools
 from .pipeline.batch import StepBatch
 from .pipeline.ledger import RolloutProgress
+from .pipeline.run_identity import checked_restore, run_identity
 from .pipeline.session import RolloutSession, start_rollout_session
 from .pipeline.step_size import check_group_fits, groups_per_step
 from .pipeline.stream import RolloutPipeline, StepStream
 from .rollout.core_sharing import CoreSharing
 from .rollout.schedule import GroupSchedule
+from .serving.server_checks import check_vllm_servers
 from .training.threads import FitThreads
 from .validation.scoring import ValidationScorer
 from .weights.factory import build_weight_sync
@@ -106,7 +108,10 @@ class GRPODataModule(pl.LightningDataModule):
         reward_num_workers: processes scoring synchronous rewards (0: threads, unsafe for CPU-heavy rewards).
         reward_timeout: seconds one reward call may take before it scores NaN.
         generator: `"embedded"` (the policy on CPU in the child) or `"vllm"` (TRL's HTTP path to a vLLM server).
-        vllm_server_url: the vLLM server for `generator="vllm"`.
+        vllm_server_url: the vLLM server for `generator="vllm"`, or a list of them: each group goes to the least
+            loaded one, and every weight push reaches all of them (see `lightning_grpo.rollout.vllm_servers`).
+        vllm_failover: with several servers, go on with the others when one is lost (`vllm/servers_lost_total`).
+        vllm_server_timeout: seconds set-up waits for each server's `/health` (TRL's `vllm_server_timeout`).
         vllm_transfer: how weights reach a vLLM server: `"http"` (safetensors in `/dev/shm`, no GPU needed),
             `"nccl"` (TRL's client), `"lora"` (a LoRA policy's adapter alone, for a server started with
             `--enable-lora`) or `"auto"` (NCCL with CUDA, else HTTP). See `make_weight_transfer`.
@@ -160,6 +165,8 @@ class GRPODataModule(pl.LightningDataModule):
             (counted in `tools/loop_exhausted_frac`). None: no limit (TRL's default, which lets a policy that never
             stops calling tools run until its context overflows).
         tool_timeout: seconds a tool call, an environment's `reset` or its `get_reward` may take; None: no limit.
+        allow_changed_data: resume a checkpoint whose prompts, `epochs`, `seed`, `num_generations` or groups per step
+            differ (else refused: `lightning_grpo.pipeline.run_identity`) with a new ledger of this data's groups.
     """
 
     def __init__(
@@ -181,7 +188,9 @@ class GRPODataModule(pl.LightningDataModule):
         reward_num_workers: int = 1,
         reward_timeout: float = 30.0,
         generator: Literal["embedded", "vllm"] = "embedded",
-        vllm_server_url: str = "http://localhost:8000",
+        vllm_server_url: str | list[str] = "http://localhost:8000",
+        vllm_failover: bool = False,
+        vllm_server_timeout: float = 240.0,
         vllm_transfer: Literal["auto", "http", "nccl", "lora"] = "auto",
         weight_transfer: Any = None,
         num_generations: int = 8,
@@ -212,6 +221,7 @@ class GRPODataModule(pl.LightningDataModule):
         max_tool_calling_iterations: int | None = 8,
         tool_timeout: float | None = 60.0,
         prompt_format: Literal["auto", "chat", "text"] = "auto",
+        allow_changed_data: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=_OBJECT_ARGUMENTS)
@@ -241,6 +251,7 @@ class GRPODataModule(pl.LightningDataModule):
         self._progress: RolloutProgress | None = None
         self._contract: RolloutContract | None = None
         self._restored: dict[str, Any] = {}
+        self._identity: dict[str, Any] | None = None
         self._session: RolloutSession | None = None
         self._stream: StepStream | None = None
         self._threads = FitThreads()
@@ -313,6 +324,8 @@ class GRPODataModule(pl.LightningDataModule):
         if self.weight_sync is not None:
             return
         is_zero = self.trainer.is_global_zero
+        if is_zero:  # a server that is not there, or serves another model, fails here in one line
+            check_vllm_servers(self.hparams, self.model_name or self._module_model_name() or "policy")
         self.weight_sync = build_weight_sync(self.hparams, self.weight_transfer, is_global_zero=is_zero)
         if "weight_sync" in self._restored:
             self.weight_sync.load_state_dict(self._restored["weight_sync"])
@@ -349,14 +362,27 @@ class GRPODataModule(pl.LightningDataModule):
         sync = self.weight_sync.state_dict() if self.weight_sync is not None else self._restored.get("weight_sync")
         if sync is not None:
             state["weight_sync"] = sync
+        if self.train_prompts is not None:
+            state["run"] = self.run_identity()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.train_prompts is not None:  # refuse a checkpoint of another run (see `allow_changed_data`)
+            state_dict = checked_restore(state_dict, self.run_identity(), allow_changed=self.hparams.allow_changed_data)
         self._restored = {key: value for key, value in state_dict.items() if value}
         if self._progress is not None and "progress" in self._restored:
             self._progress.load_state_dict(self._restored["progress"])
         if self.weight_sync is not None and "weight_sync" in self._restored:
             self.weight_sync.load_state_dict(self._restored["weight_sync"])
+
+    def run_identity(self, world_size: int | None = None) -> dict[str, Any]:
+        """What the ledger depends on (`lightning_grpo.pipeline.run_identity`), once the prompts are loaded."""
+        if self._identity is None:
+            world = world_size or (self.trainer.world_size if self.trainer is not None else 1)
+            self._identity = run_identity(
+                self.train_prompts, self.hparams, groups_per_step(self.hparams, world, self._longest_prompt)
+            )
+        return self._identity
 
     @property
     def rollout_worker(self) -> Any:

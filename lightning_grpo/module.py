@@ -18,6 +18,7 @@ from .contract import RolloutContract, require_rollout_source
 from .pipeline.batch import MicroBatch, StepBatch
 from .scoring.scorer import resolve_scorer
 from .training.checkpoint import load_module_state, save_module_state
+from .training.checkpoint_io import use_atomic_checkpoints
 from .training.loss import LossContext, LossStats, micro_batch_loss
 from .training.loss_options import ImportanceSamplingLevel, ImportanceSamplingMode, LossType, module_loss_options
 from .training.loss_stats import metrics_over_ranks
@@ -269,6 +270,7 @@ class GRPOModule(pl.LightningModule):
         datamodule = require_rollout_source(self.trainer.datamodule, "GRPOModule")
         self.contract = datamodule.rollout_contract()
         check_strategy(self.trainer.strategy, self.trainer.world_size)
+        use_atomic_checkpoints(self.trainer.strategy)  # a kill during a save leaves the previous checkpoint whole
         ignore_manual_optimization_checkpoints()
 
     def configure_model(self) -> None:

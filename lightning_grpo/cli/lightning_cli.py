@@ -72,6 +72,19 @@ class GRPOLightningCLI(LightningCLI):
         parser.add_optimizer_args((Optimizer,))
         parser.add_lr_scheduler_args(LRSchedulerTypeTuple)
 
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI loads `--ckpt_path` here, first of all, for its hyper-parameters: a damaged file would end the
+        # command with torch's traceback, so it is checked before (exit 2, one line).
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            from .resume import check_checkpoint_file
+
+            try:
+                check_checkpoint_file(self.config[subcommand].get("ckpt_path"))
+            except ValueError as error:
+                self.parser.error(f"ValueError: {error}")
+        super()._parse_ckpt_path()
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         both = [key for key in _TOP_LEVEL_FACTORIES if config.get(key) and config.get(f"model.{key}")]
@@ -97,6 +110,10 @@ class GRPOLightningCLI(LightningCLI):
                 super().instantiate_classes()
             world_size = self.trainer.world_size if self.subcommand in (None, "fit") else None
             self.datamodule.check_data(world_size=world_size)
+            if self.subcommand == "fit":
+                from .resume import check_resume
+
+                check_resume(self.config[self.subcommand].get("ckpt_path"), self.datamodule, world_size)
         except _CONFIG_ERRORS as error:
             self.parser.error(f"{type(error).__name__}: {error}", ex=error)
 
