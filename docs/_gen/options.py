@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import sys
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,10 +119,15 @@ def parse_args_section(doc: str) -> dict[str, str]:
     return entries
 
 
-def _annotation(parameter: inspect.Parameter) -> str:
+def _annotation(parameter: inspect.Parameter, namespace: dict[str, Any]) -> str:
+    """The annotation as written; a bare alias of a `Literal` (`LossType`) is spelled out, since readers need the choices."""
     annotation = parameter.annotation
     if annotation is inspect.Parameter.empty:
         return ""
+    if isinstance(annotation, str) and annotation.isidentifier():
+        alias = namespace.get(annotation)
+        if typing.get_origin(alias) is typing.Literal:
+            return "Literal[" + ", ".join(repr(choice) for choice in typing.get_args(alias)) + "]"
     return annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
 
 
@@ -129,13 +136,20 @@ def options(cls: type) -> list[Option]:
     classes = _trl_classes()
     docs = parse_args_section(cls.__doc__ or "")
     docs.update({k: v for k, v in parse_args_section(cls.__init__.__doc__ or "").items() if k not in docs})
+    namespace = vars(sys.modules[cls.__module__])
     rows = []
     for name, parameter in inspect.signature(cls.__init__).parameters.items():
         if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
         default = "required" if parameter.default is inspect.Parameter.empty else repr(parameter.default)
         rows.append(
-            Option(name, _annotation(parameter), default, _counterpart(cls.__name__, name, classes), docs.get(name, ""))
+            Option(
+                name,
+                _annotation(parameter, namespace),
+                default,
+                _counterpart(cls.__name__, name, classes),
+                docs.get(name, ""),
+            )
         )
     return rows
 
