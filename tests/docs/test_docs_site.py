@@ -183,3 +183,16 @@ def test_first_reward_page_runs_as_written(tmp_path, no_leaked_processes):
     assert 1 <= len(steps) <= 4  # 8 prompts, 2 groups per step (fewer if a group carried no signal), no max_steps
     assert steps.reward.between(0, 1).all()
     assert "completion" in result.stdout and "reward_std" in result.stdout
+
+
+def test_every_python_block_of_the_docs_and_the_readme_compiles():
+    """Blocks that need a real model or a server are not run here, but none may be broken Python."""
+    sources = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+    checked = 0
+    for source in sources:
+        for index, block in enumerate(re.findall(r"```python\n(.*?)```", source.read_text(), flags=re.S)):
+            if block.lstrip().startswith("--8<--"):
+                continue  # an included file: run or compiled where it lives
+            compile(block, f"{source.relative_to(ROOT)} block {index}", "exec")
+            checked += 1
+    assert checked >= 3
