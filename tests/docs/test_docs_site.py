@@ -196,3 +196,12 @@ def test_every_python_block_of_the_docs_and_the_readme_compiles():
             compile(block, f"{source.relative_to(ROOT)} block {index}", "exec")
             checked += 1
     assert checked >= 3
+
+
+def test_layout_trees_name_every_folder_of_the_package():
+    folders = sorted(p.parent.name for p in (ROOT / "lightning_grpo").glob("*/__init__.py"))
+    assert "rollout" in folders
+    for page in (DOCS / "concepts" / "layout.md", ROOT / "README.md"):
+        text = page.read_text()
+        missing = [name for name in folders if f"{name}/" not in text]
+        assert not missing, f"{page.relative_to(ROOT)}'s tree lacks {missing}"
