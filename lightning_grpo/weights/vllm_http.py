@@ -180,6 +180,12 @@ class VLLMHTTPWeightTransfer:
         self._remove_folders(keep_last=False)
         self._session.close()
 
+    def abandon(self) -> None:
+        """Forget a server that is gone: remove the weight folders without contacting it; idempotent."""
+        self._paused = False
+        self._remove_folders(keep_last=False)
+        self._session.close()
+
     # -- helpers ---------------------------------------------------------------------------------------------------
 
     def _wait_healthy(self) -> None:

@@ -174,6 +174,14 @@ class VLLMLoRAWeightTransfer(VLLMHTTPWeightTransfer):
         self._unloaded.clear()
         super().destroy()
 
+    def abandon(self) -> None:
+        """Forget a server that is gone: remove the adapters' files without contacting it; idempotent."""
+        self._loaded.clear()
+        self._unloaded.clear()
+        for version in list(self._adapter_folders):
+            self._remove(version)
+        super().abandon()
+
     # -- helpers ---------------------------------------------------------------------------------------------------
 
     def _unload(self, version: int) -> None:
