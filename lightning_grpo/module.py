@@ -92,7 +92,7 @@ class GRPOModule(pl.LightningModule):
 
     Args:
         model: the policy: a name or path for `lightning_grpo.models.load_policy` (`"tiny-random"`,
-            `"smollm2-135m-instruct"`, a local folder, a Hub id) or an `nn.Module` (a transformers causal LM).
+            `"smollm2-135m-instruct"`, `"gemma-3-270m"`, a local folder, a Hub id) or an `nn.Module` (a transformers causal LM).
         learning_rate: the default AdamW's learning rate.
         weight_decay: the default AdamW's weight decay.
         betas: the default AdamW's betas.

@@ -47,7 +47,7 @@ class PolicySpec:
     never needs a checkpoint on disk.
     """
 
-    name: str | None = None  # a `load_policy` name: "tiny-random", "smollm2-135m-instruct", a local folder, a Hub id
+    name: str | None = None  # a `load_policy` name ("tiny-random", "gemma-3-270m", ...), a local folder, a Hub id
     config: dict[str, Any] | None = None  # `model.config.to_dict()`
     dtype: str = "float32"  # torch dtype name
 

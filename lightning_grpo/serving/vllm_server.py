@@ -91,8 +91,8 @@ class VLLMServer:
     seconds for the first completion (`warm_up()` takes that cost up front).
 
     Args:
-        model: `"tiny-random"` (written to the run folder with `save_pretrained`), `"smollm2-135m-instruct"`, or a
-            local folder or Hub name.
+        model: `"tiny-random"` (written to the run folder with `save_pretrained`), `"smollm2-135m-instruct"`,
+            `"gemma-3-270m"`, or a local folder or Hub name.
         served_model_name: the name requests must send as `"model"`; default the `model` string.
         host, port: where to listen; `port=None` picks a free port.
         dtype: `"float32"` (logprobs match a float32 trainer to ~1e-6) or `"bfloat16"` (faster, logprobs off
@@ -456,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
-        "--model", default="tiny-random", help="tiny-random, smollm2-135m-instruct, a folder or Hub name"
+        "--model", default="tiny-random", help="tiny-random, smollm2-135m-instruct, gemma-3-270m, a folder or Hub name"
     )
     parser.add_argument(
         "--served-model-name", default=None, help="name requests send as 'model'; None: the --model value"
