@@ -289,11 +289,12 @@ def start_rollout_session(datamodule: Any, module: Any) -> RolloutSession:
         conversation=datamodule.conversation,
         core_sharing=datamodule.core_sharing,
     )
+    receiver = sync.receiver() if hp.generator == "embedded" else None  # a vLLM server receives by itself
     return RolloutSession.start(
         options,
         progress=datamodule.progress,
         scorers=list(module.scorers),
         model_version=lambda: sync.version,
-        generator=embedded_generator_spec(hp, module.policy, eos, datamodule.tokenizer, sync.receiver()),
+        generator=embedded_generator_spec(hp, module.policy, eos, datamodule.tokenizer, receiver),
         interrupted=lambda: datamodule.trainer.received_sigterm,  # Lightning's SIGTERM flag (PreemptionCallback)
     )
