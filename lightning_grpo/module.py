@@ -142,7 +142,6 @@ class GRPOModule(pl.LightningModule):
         scorer_weights: one weight per scorer column (default 1 each); the rollout columns keep the data module's
             `reward_weights`.
         dtype: the policy's dtype when loaded by name.
-        val_max_tokens: tokens per greedy validation completion; default the data module's `max_completion_length`.
         peft_config: a `peft.LoraConfig` to train LoRA adapters instead of the whole policy (in YAML:
             `class_path: peft.LoraConfig` with `init_args: {r: 16, lora_alpha: 32, target_modules: all-linear}`).
             Checked here against the policy's modules (a policy given by name: against its config, weightless).

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
 import os
 import re
 import subprocess
@@ -28,19 +27,6 @@ import options as _options  # noqa: E402
 log = get_plugin_logger("lightning_grpo_docs")
 _MARKER = re.compile(r"<!-- (options|api): ([\w.]+) -->|<!-- (cli) -->")
 _cli: subprocess.Popen | None = None
-
-# griffe's complaints about a docstring's layout (not a broken link or reference), shown as notes so that strict mode
-# fails on what readers would hit; the log still names each place.
-_LAYOUT_NOTES = ("Confusing indentation for continuation line", "Failed to get 'exception: description' pair")
-
-
-def _layout_notes_as_info(record: logging.LogRecord) -> bool:
-    if record.levelno == logging.WARNING and any(note in record.getMessage() for note in _LAYOUT_NOTES):
-        record.levelno, record.levelname = logging.INFO, "INFO"
-    return True
-
-
-logging.getLogger("mkdocs.plugins.griffe").addFilter(_layout_notes_as_info)
 
 # where each group of top-level names is defined (the first part of its module path), in the page's order
 _API_GROUPS = {

@@ -42,11 +42,10 @@ def pack_sequences(sequences: Sequence[TokenSequence], share_prefixes: bool = Tr
         The model inputs `input_ids`, `position_ids` (N), `tree_kv_index` (K), `tree_cu_seqlens_q`,
         `tree_cu_seqlens_k` (S + 1), `tree_max_seqlens` (2), and:
 
-        - `positions` (sum of lengths): the packed position of every sequence's tokens, sequences laid end to end, so
-          `input_ids[positions[offsets[i]:offsets[i + 1]]]` is sequence `i`;
-        - `offsets` (R + 1): where each sequence starts in `positions`;
-        - `sizes` (4): the lengths of `input_ids`, `tree_kv_index`, `tree_cu_seqlens_q` and `offsets`, so a padded
-          copy can be cut back with `unpack_sequences`.
+        `positions` (sum of lengths), the packed position of every sequence's tokens, sequences laid end to end, so
+        `input_ids[positions[offsets[i]:offsets[i + 1]]]` is sequence `i`; `offsets` (R + 1), where each sequence
+        starts in `positions`; `sizes` (4), the lengths of `input_ids`, `tree_kv_index`, `tree_cu_seqlens_q` and
+        `offsets`, so a padded copy can be cut back with `unpack_sequences`.
 
     Raises:
         ValueError: on no sequences or an empty one.

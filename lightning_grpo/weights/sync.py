@@ -134,7 +134,8 @@ class WeightSync:
 
         Raises:
             RuntimeError: after `close()`.
-            Whatever the transfer raises; the other ranks' gathers still complete, so no rank is left in a collective.
+            Exception: whatever the transfer raises; the other ranks' gathers still complete, so no rank is left in a
+                collective.
         """
         if self._closed:
             raise RuntimeError("`WeightSync.push()` called after `close()`; a new run needs a new WeightSync.")

@@ -1,16 +1,15 @@
 """The completions table: which samples become rows and what a row holds, and how each logger gets it (a real
-CSVLogger and TensorBoardLogger; W&B, which is not installed here, through a strict stand-in of `WandbLogger`)."""
+CSVLogger and TensorBoardLogger; W&B and MLflow are read back by their own clients in `tests/cli/test_trackers.py`)."""
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import lightning.pytorch as pl
 import numpy as np
 import pandas as pd
 import pytest
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_grpo.pipeline.batch import StepBatch
 from lightning_grpo.rollout.records import RolloutSample
@@ -85,25 +84,3 @@ def test_a_csv_logger_gets_a_file_pandas_reads_and_tensorboard_gets_the_text(tmp
     events.Reload()
     texts = events.Tensors("completions/text_summary")
     assert [t.step for t in texts] == [0, 4] and b"A7.0 \\| done<br>next" in texts[0].tensor_proto.string_val[0]
-
-
-class RecordingWandbLogger(WandbLogger):
-    """`WandbLogger` without wandb (not installed here): `__init__`, which imports it, is skipped, and `log_table`
-    records its calls after binding them to `WandbLogger.log_table`'s own signature (a wrong call fails as it would)."""
-
-    def __init__(self) -> None:
-        self.tables: list[dict] = []
-
-    def log_table(self, *args, **kwargs) -> None:
-        bound = inspect.signature(WandbLogger.log_table).bind(self, *args, **kwargs)
-        self.tables.append({k: v for k, v in bound.arguments.items() if k != "self"})
-
-
-def test_a_wandb_logger_gets_a_table_of_plain_rows_at_the_step():
-    logger = RecordingWandbLogger()
-    trainer = pl.Trainer(logger=[logger], enable_progress_bar=False)
-    rows = completion_rows(step_batch(), step=3, policy_version=5, limit=2)
-    log_completion_rows(trainer, rows, step=3)
-    (table,) = logger.tables
-    assert table["key"] == "completions" and table["step"] == 3
-    assert table["columns"] == list(rows[0]) and table["data"] == [list(row.values()) for row in rows]
