@@ -16,12 +16,16 @@ preloaded modules read when they are imported (`HF_*`, `TRANSFORMERS_*`, `TORCH*
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
 from typing import Any
+
+from .interrupts import children_ignore_sigint
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,16 @@ def rollout_context() -> Any:
         log.debug("The rollout child is spawned: %s.", reason)
         return mp.get_context("spawn")
     return mp.get_context("forkserver")
+
+
+def abandon_server() -> None:
+    """Kill the forkserver this module started, for a child asked of it that is no longer wanted (Ctrl-C while it
+    preloaded): it would fork that child later, from semaphores the trainer has already released. The next fit
+    starts a new server."""
+    pid = _server["pid"]
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def warm_up() -> None:
@@ -91,7 +105,8 @@ def _ensure_server() -> str | None:
         return "a forkserver started by other code is running (its environment and preloads are unknown)"
     if _server["pid"] is None:
         mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
-    forkserver.ensure_running()
+    with children_ignore_sigint():  # the server and every child it forks leave Ctrl-C to the trainer
+        forkserver.ensure_running()
     if server._forkserver_pid != _server["pid"]:  # started now, or restarted after it died
         _server.update(pid=server._forkserver_pid, environment=_import_time_environment())
     now, then = _import_time_environment(), _server["environment"]

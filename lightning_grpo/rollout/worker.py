@@ -15,8 +15,9 @@ from typing import Any
 import cloudpickle
 import psutil
 
+from .interrupts import children_ignore_sigint, ignore_sigint
 from .lifetime import die_with_parent
-from .start_method import apply_environment, child_environment, rollout_context
+from .start_method import abandon_server, apply_environment, child_environment, rollout_context
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,14 @@ class GRPORolloutWorker:
             name="grpo-rollout-child",
             daemon=True,
         )
-        self._process.start()
+        # Ctrl-C is the trainer's (rollout/interrupts.py); a forkserver's children inherit its ignored SIGINT
+        try:
+            with children_ignore_sigint(enabled=self._ctx.get_start_method() == "spawn"):
+                self._process.start()
+        except BaseException:
+            if self._process._popen is None and self._ctx.get_start_method() == "forkserver":
+                abandon_server()  # interrupted while the server preloaded: it must not fork this child later
+            raise
         log.info("rollout child started (pid %s, %s)", self._process.pid, self._ctx.get_start_method())
         self._wait_ready()
 
@@ -321,6 +329,7 @@ def _child_entry(
     exception_queue: Any,
     metrics_queue: Any,
 ) -> None:
+    ignore_sigint()
     die_with_parent(parent_pid)
     apply_environment(environment)
     try:

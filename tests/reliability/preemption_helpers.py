@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import psutil
+import yaml
 from lightning.pytorch.callbacks import Callback
 
 from lightning_grpo.rewards import numeric_closeness
@@ -53,3 +57,88 @@ def slow_closeness(completions: list, **kwargs: Any) -> list[float | None]:
     """`numeric_closeness`, after `GRPO_TEST_REWARD_SLEEP` seconds: the trainer spends its time waiting for rollouts."""
     time.sleep(float(os.environ.get("GRPO_TEST_REWARD_SLEEP", "0")))
     return numeric_closeness(completions, **kwargs)
+
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+GROUPS = 8  # smoke: 8 prompts, 2 groups per optimizer step
+
+
+def run_config(
+    tmp_path: Path, log: Path, *, slow_step: int = -1, slow_s: float = 0.0, checkpoint_dir: Path | None = None
+) -> Path:
+    """The smoke config with `GroupLog`, `slow_closeness` and no validation; with `checkpoint_dir`, a checkpoint
+    after every step there."""
+    config = yaml.safe_load((REPO / "lightning_grpo/configs/smoke.yaml").read_text())
+    config["trainer"].update(
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        val_check_interval=None,
+        logger=False,
+        callbacks=[
+            {
+                "class_path": "preemption_helpers.GroupLog",
+                "init_args": {"path": str(log), "slow_step": slow_step, "slow_s": slow_s},
+            }
+        ],
+    )
+    if checkpoint_dir is not None:
+        config["trainer"]["enable_checkpointing"] = True
+        every_step = {"dirpath": str(checkpoint_dir), "every_n_train_steps": 1, "save_last": True}
+        config["trainer"]["callbacks"].append(
+            {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": every_step}
+        )
+    config["data"]["reward_funcs"] = ["preemption_helpers.slow_closeness"]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def start_fit(tmp_path: Path, config: Path, *extra: str, reward_sleep: float = 0.0) -> tuple[subprocess.Popen, Path]:
+    out = tmp_path / f"out{len(list(tmp_path.glob('out*.txt')))}.txt"
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        PYTHONUNBUFFERED="1",
+        GRPO_TEST_REWARD_SLEEP=str(reward_sleep),
+    )
+    command = [sys.executable, "-m", "lightning_grpo.cli", "fit", "--config", str(config), *extra]
+    with out.open("w") as f:
+        process = subprocess.Popen(
+            command, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return process, out
+
+
+def wait_for(condition, process: subprocess.Popen, out: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the fit ended early ({process.returncode}):\n{out.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting:\n{out.read_text()[-3000:]}"
+        time.sleep(0.05)
+
+
+def finish(process: subprocess.Popen, out: Path, timeout: float = 120) -> int:
+    try:
+        return process.wait(timeout=timeout)
+    finally:
+        left = session_processes(process.pid)
+        for p in left:
+            p.kill()
+        assert not left, f"processes left running after the fit exited: {[p.cmdline() for p in left]}"
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    """Live processes of the run's session (the rollout child, reward workers, forkserver, ...)."""
+    deadline = time.monotonic() + 10
+    while True:
+        alive = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except (psutil.Error, ProcessLookupError, PermissionError):
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
