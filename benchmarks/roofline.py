@@ -409,7 +409,7 @@ def plot(rows: list[Row], title: str, path: Path) -> None:
     panels = [panel for panel in panels if panel]
     colours = dict(zip(dict.fromkeys(r.group for r in rows), plt.get_cmap("tab10").colors, strict=False))
     figure, axes = plt.subplots(
-        len(panels), 1, figsize=(11, 0.27 * len(rows) + 2), height_ratios=[len(p) for p in panels], squeeze=False
+        len(panels), 1, figsize=(13, 0.27 * len(rows) + 2), height_ratios=[len(p) for p in panels], squeeze=False
     )
     for ax, panel in zip(axes[:, 0], panels, strict=True):
         ax.barh(range(len(panel)), [r.fraction for r in panel], color=[colours[r.group] for r in panel])
