@@ -1,4 +1,4 @@
-"""The `lightning-grpo` command: `fit` and `validate` (LightningCLI), `export` and `vllm-serve`.
+"""The `lightning-grpo` command: `fit` and `validate` (LightningCLI), `export`, `vllm-serve` and `sft`.
 
     lightning-grpo --help                                                  # the subcommands, one line each
     lightning-grpo fit --config lightning_grpo/configs/smoke.yaml
@@ -8,6 +8,7 @@
     lightning-grpo fit --config lightning_grpo/configs/smoke.yaml --print_config   # every option, as YAML
     lightning-grpo export last.ckpt exported/ [--merged]    # the trained policy as a Hugging Face folder
     lightning-grpo vllm-serve --model smollm2-135m-instruct   # a vLLM server for `--data.generator vllm`
+    lightning-grpo sft --config lightning_grpo/configs/calculator.yaml   # the tool-use warm start, a HF folder
 
 `fit` and `validate` are LightningCLI (`lightning_grpo.cli.lightning_cli`): every option of the module (`model.*`),
 the data module (`data.*`), the trainer (`trainer.*`) and the callbacks can be set in the YAML or on the command
@@ -37,6 +38,7 @@ SUBCOMMANDS = {
     "validate": "held-out scores of the policy, or of --ckpt_path",
     "export": "write a checkpoint's policy as a Hugging Face folder",
     "vllm-serve": "serve a policy with vLLM for --data.generator vllm",
+    "sft": "warm-start a policy on tool-use demonstrations",
 }
 _LIGHTNING_SUBCOMMANDS = ("fit", "validate")
 # argparse's message for a subcommand, jsonargparse's for a `Literal` option
@@ -63,6 +65,10 @@ def main(args: list[str] | None = None) -> None:
         from ..serving.vllm_server import main as vllm_serve
 
         raise SystemExit(vllm_serve(argv[1:]))
+    if first == "sft":
+        from ..sft.command import main as sft
+
+        raise SystemExit(sft(argv[1:]))
     if first == "export":
         from .export import main as export
 

@@ -17,11 +17,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from .._trl import get_callable_name
 from ..contract import RolloutContract
 from .reasoning_gym import is_reasoning_gym
-from .sources import check_columns, check_reward_columns, load_prompts
+from .sources import BUILTIN_DATASETS, check_columns, check_reward_columns, load_prompts
 from .tooling import ConversationSpec
 
-#: Generated held-out prompts (arithmetic, reasoning-gym) come from another seed than the training ones: this much
-#: higher, or `dataset_size` higher when that is more (reasoning-gym seeds entry `i` with `seed + i`).
+#: Generated held-out prompts (arithmetic, calculator, reasoning-gym) come from another seed than the training ones:
+#: this much higher, or `dataset_size` higher when that is more (reasoning-gym seeds entry `i` with `seed + i`).
 VAL_SEED_OFFSET = 10_000
 
 
@@ -116,8 +116,8 @@ def _check(prompts: Dataset, reward_funcs: Sequence[Callable], source: str) -> N
 
 def _load_val_prompts(hp: Any, dataset: Any, val_dataset: Any, reward_funcs: Sequence[Callable]) -> Dataset | None:
     val_seed = hp.dataset_seed + max(VAL_SEED_OFFSET, hp.dataset_size or 0)
-    if val_dataset is None and dataset == "arithmetic":
-        return load_prompts("arithmetic", size=hp.val_size, seed=val_seed)
+    if val_dataset is None and isinstance(dataset, str) and dataset in BUILTIN_DATASETS:
+        return load_prompts(dataset, size=hp.val_size, seed=val_seed)
     if val_dataset is None and is_reasoning_gym(dataset):
         val_dataset = dataset  # the same task and options, another seed
     if val_dataset is None:

@@ -1,5 +1,5 @@
-"""Prompt datasets: the builtin synthetic arithmetic task, reasoning-gym's tasks (`"reasoning_gym:<task>"`), local
-`.jsonl` / `.parquet` files, `datasets.Dataset`s and Hugging Face Hub datasets, the last three optionally mapped by a
+"""Prompt datasets: the builtin synthetic arithmetic and calculator tasks, reasoning-gym's tasks
+(`"reasoning_gym:<task>"`), local `.jsonl` / `.parquet` files, `datasets.Dataset`s and Hugging Face Hub datasets, the last three optionally mapped by a
 preset (`dataset_format`: GSM8K, MATH, prompt + answer; see `lightning_grpo.data.formats`).
 
 Every dataset has a `prompt` column, chat messages or a string, plus whatever columns the reward functions read (the
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from datasets import Dataset
 
-BUILTIN_DATASETS = ("arithmetic",)
+BUILTIN_DATASETS = ("arithmetic", "calculator")
 ANSWER_INSTRUCTION = "Put the final answer in \\boxed{}."
 
 
@@ -63,7 +63,8 @@ def load_prompts(
     dataset name.
 
     Args:
-        source: `"arithmetic"` (builtin; `size` problems, default 600), `"reasoning_gym:<task>"` (`size` entries of
+        source: `"arithmetic"` or `"calculator"` (builtin; `size` problems, default 600; see
+            `lightning_grpo.data.calculator`), `"reasoning_gym:<task>"` (`size` entries of
             that generator, default its own 500; see `lightning_grpo.data.reasoning_gym`), a path to a
             `.jsonl`/`.json` or `.parquet` file, a `datasets.Dataset`, or a Hub dataset name (needs network access).
         size: number of rows to keep (the first `size`); for a generator, how many to generate.
@@ -84,6 +85,10 @@ def load_prompts(
         return reasoning_gym.reasoning_gym_dataset(source, size=size, seed=seed, options=dataset_options)
     if isinstance(source, Dataset):
         dataset = source
+    elif source == "calculator":
+        from .calculator import calculator_dataset
+
+        return calculator_dataset(size or 600, seed)
     elif source in BUILTIN_DATASETS:
         return arithmetic_dataset(size or 600, seed)
     elif _looks_like_path(source):

@@ -50,10 +50,10 @@ def test_help_lists_every_subcommand_with_one_line_and_imports_no_torch():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip().endswith("exit 0 False False"), done.stdout + done.stderr
     help_text = subprocess.run([COMMAND, "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
-    assert set(SUBCOMMANDS) == {"fit", "validate", "export", "vllm-serve"}
+    assert set(SUBCOMMANDS) == {"fit", "validate", "export", "vllm-serve", "sft"}
     for name, line in SUBCOMMANDS.items():
         assert re.search(rf"^\s+{re.escape(name)}\s+{re.escape(line)}$", help_text, re.MULTILINE), help_text
-    assert "{fit,validate,export,vllm-serve}" in help_text.splitlines()[0]
+    assert "{fit,validate,export,vllm-serve,sft}" in help_text.split("\n\n")[0]  # the usage, wrapped
 
 
 def test_version_prints_the_installed_version():
