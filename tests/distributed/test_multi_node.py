@@ -83,7 +83,12 @@ def run_nodes(commands: list[list[str]], envs: list[dict], logs: list[Path], tim
             environment = dict(os.environ, PYTHONPATH=str(TESTS), PYTHONUNBUFFERED="1", **env)
             processes.append(
                 subprocess.Popen(
-                    command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=environment
+                    command,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env=environment,
+                    cwd=log.parent,  # the CLI writes config.yaml and lightning_logs/ here
                 )
             )
     try:

@@ -23,7 +23,7 @@ from concurrent.futures import wait
 import cloudpickle
 import psutil
 import pytest
-from conftest import live_children
+from helpers.processes import live_children
 
 from lightning_grpo.rewards import accuracy, boxed_format
 from lightning_grpo.rollout.reward_pool import RewardProcessPool
