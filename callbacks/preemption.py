@@ -128,6 +128,8 @@ class PreemptionCallback(Callback):
 
 def _slurm_environment(trainer: pl.Trainer) -> SLURMEnvironment | None:
     environment = getattr(trainer.strategy, "cluster_environment", None)
+    if environment is None:  # a single-device strategy has none; Lightning's signal handling reads the same one
+        environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
     return environment if isinstance(environment, SLURMEnvironment) else None
 
 

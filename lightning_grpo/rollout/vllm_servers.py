@@ -4,7 +4,7 @@
 is one URL: it balances its own engines). `VLLMServers` is the rollout child's view of them:
 
 - **Balancing, one server per group**: a group's first request goes to the live server with the fewest requests in
-  flight, and every later request of that group (its other completions, the later turns of its conversations) goes
+  flight (on a tie, the one given the fewest groups), and every later request of that group (its other completions, the later turns of its conversations) goes
   to the same server, so a group sees one server's sequence of weights, as with a single server.
 - **Lost servers**: a server is lost when its process has exited (a server `VLLMServer` started on this machine), when
   it has not answered `/health` for `stale_after_s`, when a request to it kept failing past the retry limit, or when
@@ -94,6 +94,7 @@ class VLLMServers:
         self.failover = failover
         self.stale_after_s = stale_after_s
         self.inflight = [0] * len(self.urls)
+        self.groups_routed = [0] * len(self.urls)  # groups (and requests without a group) each server was given
         self._shared = lost
         self._counters = counters if counters is not None else {}
         self._lost: dict[int, str] = {}  # server -> why it was lost
@@ -119,7 +120,8 @@ class VLLMServers:
             raise RuntimeError(self._failure())
         server = self._groups.get(group_id) if group_id is not None else None
         if server is None or server in self._lost:
-            server = min(live, key=lambda i: (self.inflight[i], i))
+            server = min(live, key=lambda i: (self.inflight[i], self.groups_routed[i], i))  # ties: spread groups
+            self.groups_routed[server] += 1
             if group_id is not None:
                 self._groups[group_id] = server
                 self._groups.move_to_end(group_id)

@@ -94,10 +94,13 @@ def run_config(
     return path
 
 
-def start_fit(tmp_path: Path, config: Path, *extra: str, reward_sleep: float = 0.0) -> tuple[subprocess.Popen, Path]:
+def start_fit(
+    tmp_path: Path, config: Path, *extra: str, reward_sleep: float = 0.0, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, Path]:
+    """`lightning-grpo fit --config config *extra` in its own session, in `tmp_path`, output to `out<N>.txt`."""
     out = tmp_path / f"out{len(list(tmp_path.glob('out*.txt')))}.txt"
     env = dict(
-        os.environ,
+        env or os.environ,
         PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
         PYTHONUNBUFFERED="1",
         GRPO_TEST_REWARD_SLEEP=str(reward_sleep),

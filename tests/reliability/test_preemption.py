@@ -4,6 +4,7 @@ and a resume from it trains every remaining prompt group exactly once."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -71,3 +72,40 @@ def test_sigterm_while_waiting_for_rollouts_exits_75_and_resume_trains_each_grou
 @pytest.mark.timeout(600)
 def test_sigusr1_during_a_step_finishes_it_exits_75_and_resume_trains_each_group_once(tmp_path):
     _preempt_and_resume(tmp_path, signal.SIGUSR1, when="step")
+
+
+@pytest.mark.timeout(600)
+def test_slurm_auto_requeue_saves_lightnings_hpc_checkpoint_requeues_and_resumes_by_itself(tmp_path):
+    """Under SLURM (faked: its variables, and an `scontrol` that records its arguments), SIGUSR1 saves where
+    Lightning's SLURM resume looks, requeues the job, and the requeued command resumes without --ckpt_path."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.txt"
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    scontrol.chmod(0o755)
+    slurm = dict(
+        os.environ,
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        SLURM_NTASKS="1",
+        SLURM_JOB_NAME="grpo",
+        SLURM_JOB_ID="4242",
+        SLURM_PROCID="0",
+        SLURM_LOCALID="0",
+        SLURM_NODEID="0",
+    )
+    log = tmp_path / "groups.jsonl"
+    process, out = start_fit(tmp_path, run_config(tmp_path, log, slow_step=1, slow_s=4.0), env=slurm)
+    wait_for(lambda: Path(f"{log}.in_step").exists(), process, out, timeout=240)
+    process.send_signal(signal.SIGUSR1)
+    assert finish(process, out) == 75, out.read_text()[-3000:]
+    assert f"preempted: checkpoint saved to {tmp_path / 'hpc_ckpt_1.ckpt'}" in out.read_text()
+    assert calls.read_text().split() == ["requeue", "4242"]
+    first, _ = _records(log)
+
+    resumed_log = tmp_path / "resumed.jsonl"
+    process, out = start_fit(tmp_path, run_config(tmp_path, resumed_log), env=slurm)  # the requeued job
+    assert finish(process, out, timeout=240) == 0, out.read_text()[-3000:]
+    second, summary = _records(resumed_log)
+    trained = [g for step in first + second for g in step]
+    assert len(trained) == len(set(trained)) and len(trained) + summary["groups_dropped"] == GROUPS
