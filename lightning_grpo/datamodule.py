@@ -38,15 +38,9 @@ RewardFunc = Callable[..., list[float | None]]
 
 # Arguments that may be objects: kept as given, out of the hyper-parameters (a checkpoint holds plain values only).
 _OBJECT_ARGUMENTS = [
-    "dataset",
-    "val_dataset",
-    "reward_funcs",
-    "loop_cls",
-    "loop_kwargs",
-    "weight_transfer",
-    "tools",
+    "dataset", "val_dataset", "reward_funcs", "loop_cls", "loop_kwargs", "weight_transfer", "tools",
     "environment_factory",
-]
+]  # fmt: skip
 
 
 class GRPODataModule(pl.LightningDataModule):
@@ -139,7 +133,11 @@ class GRPODataModule(pl.LightningDataModule):
         mask_truncated_completions: completions that hit the length limit train nothing.
         heartbeat_timeout: seconds without a heartbeat from the rollout child before it counts as hung.
         child_ready_timeout: seconds to wait for the child to load the policy and start.
-        generator_threads: torch threads of the embedded generator (None: torch's default).
+        generator_threads: torch threads of the embedded generator (None: torch's default), or of each replica.
+        generator_replicas: embedded generator processes, each on `generator_threads` cores of its own (when the
+            machine has them): each group is sampled on one, picked by load, every weight push reaches all, and one
+            that dies fails the run naming it (see `lightning_grpo.rollout.replicas`). 1: the generator runs in the
+            rollout child. For several vLLM servers, list them in `vllm_server_url`.
         trainer_threads: torch threads the trainer trains with during `fit` (restored afterwards). `"auto"`: on a CPU
             with the embedded generator and one process, the cores the generator does not use, so the two do not
             oversubscribe the CPU, and each side runs on the other's cores too while the other is idle (the generator
@@ -212,6 +210,7 @@ class GRPODataModule(pl.LightningDataModule):
         heartbeat_timeout: float = 300.0,
         child_ready_timeout: float = 300.0,
         generator_threads: int | None = 1,
+        generator_replicas: int = 1,
         trainer_threads: int | Literal["auto"] | None = "auto",
         val_batch_size: int = 16,
         loop_cls: str | type | None = None,

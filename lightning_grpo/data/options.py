@@ -65,6 +65,7 @@ def validate_options(hp: Any) -> None:
     if hp.vllm_transfer not in ("auto", "http", "nccl", "lora"):
         problems.append(f"vllm_transfer={hp.vllm_transfer!r} (one of 'auto', 'http', 'nccl', 'lora')")
     problems += _server_problems(hp)
+    problems += _replica_problems(hp)
     if hp.max_tool_calling_iterations is not None and hp.max_tool_calling_iterations < 0:
         problems.append(f"max_tool_calling_iterations={hp.max_tool_calling_iterations} (must be at least 0, or None)")
     if hp.tool_timeout is not None and not hp.tool_timeout > 0:
@@ -90,6 +91,18 @@ def _server_problems(hp: Any) -> list[str]:
         return [
             f"vllm_transfer='nccl' with {len(urls)} servers in vllm_server_url (TRL's NCCL client feeds one server: "
             "start one with data parallelism, `--data-parallel-size N`, and pass its one URL, or use 'http')"
+        ]
+    return []
+
+
+def _replica_problems(hp: Any) -> list[str]:
+    replicas = hp.generator_replicas
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        return [f"generator_replicas={replicas!r} (an int >= 1: the embedded generator's processes)"]
+    if replicas > 1 and hp.generator != "embedded":
+        return [
+            f"generator_replicas={replicas} with generator={hp.generator!r} (replicas are the embedded generator's: "
+            "for several vLLM servers, list their URLs in vllm_server_url and leave generator_replicas=1)"
         ]
     return []
 

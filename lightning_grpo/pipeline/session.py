@@ -244,12 +244,15 @@ def _make_collator(options: SessionOptions, progress: RolloutProgress, scorers: 
 
 
 def embedded_generator_spec(hp: Any, policy: Any, eos: Sequence[int], tokenizer: Any, weight_receiver: Any) -> Any:
-    """The `GeneratorSpec` of the embedded generator under the data module's options `hp`; None for vLLM."""
+    """The `GeneratorSpec` of the embedded generator under the data module's options `hp` (a `GeneratorReplicasSpec`
+    with `generator_replicas` > 1); None for vLLM."""
     if hp.generator != "embedded":
         return None
     from ..rollout.generator import GeneratorSpec, PolicySpec
+    from ..rollout.replicas import GeneratorReplicasSpec
+    from ..rollout.vllm_servers import server_stale_after_s
 
-    return GeneratorSpec(
+    spec = GeneratorSpec(
         PolicySpec.from_model(policy),
         eos_token_ids=tuple(eos),
         temperature=hp.temperature,
@@ -264,6 +267,9 @@ def embedded_generator_spec(hp: Any, policy: Any, eos: Sequence[int], tokenizer:
         weight_receiver=weight_receiver,
         num_threads=hp.generator_threads,
     )
+    if hp.generator_replicas == 1:
+        return spec
+    return GeneratorReplicasSpec(spec, hp.generator_replicas, stale_after_s=server_stale_after_s(hp))
 
 
 def start_rollout_session(datamodule: Any, module: Any) -> RolloutSession:

@@ -31,7 +31,7 @@ from .chat import conversation_chat_template, ensure_tool_parser
 from .conversation import Conversation, ConversationOptions
 from .environments import Environments, prompt_of, tool_methods, with_observation
 from .groups import Group, Rollout, assemble
-from .records import LEARNING_SIGNAL, SCORE_PAYLOAD, RolloutSample
+from .records import GENERATOR_REPLICA, LEARNING_SIGNAL, SCORE_PAYLOAD, RolloutSample
 from .reward_pool import RewardProcessPool
 from .schedule import GroupSchedule
 from .stop_strings import check_stop
@@ -502,6 +502,8 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
                 "payload": self._trainer_score_payload(group),
             }
             extras[SCORE_PAYLOAD] = payload
+        if (replica_of := getattr(self._generator, "replica_of", None)) is not None:  # generator_replicas > 1
+            extras[GENERATOR_REPLICA] = replica_of(group.group_id)
         eos = set(self.eos_token_ids)
         samples = []
         any_calls = sum(group.tool_call_counts) > 0

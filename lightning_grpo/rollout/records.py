@@ -18,6 +18,8 @@ SCORE_PAYLOAD = "score_payload"
 #: Key in `RolloutSample.extras` of the sample's learning signal under `scale_rewards="batch"`, which the trainer
 #: scales over the optimizer step (`lightning_grpo.rollout.advantages.batch_advantages`).
 LEARNING_SIGNAL = "learning_signal"
+#: Key in `RolloutSample.extras` of the generator replica that sampled the sample's group (`generator_replicas` > 1).
+GENERATOR_REPLICA = "generator_replica"
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from .balancing import current_group
 from .vllm_servers import ServerLost, VLLMServers, server_urls
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,6 @@ log = logging.getLogger(__name__)
 _finish_reasons: contextvars.ContextVar[list[str | None] | None] = contextvars.ContextVar(
     "vllm_finish_reasons", default=None
 )
-# The group whose rollout runs in the current asyncio task: its requests go to the group's server.
-_request_group: contextvars.ContextVar[int | None] = contextvars.ContextVar("vllm_request_group", default=None)
 
 
 class VLLMRequests:
@@ -73,8 +72,8 @@ class VLLMRequests:
         )
 
     def _route_group(self, group_id: int) -> None:
-        """Send the vLLM requests of the current asyncio task (one rollout) to `group_id`'s server."""
-        _request_group.set(group_id)
+        """Send the requests of the current asyncio task (one rollout) to `group_id`'s server (or generator replica)."""
+        current_group.set(group_id)
 
     async def _run_loops(self, stop_event: asyncio.Event) -> None:
         """TRL's loops, and beside them (on the vLLM path) the watch over the servers' health."""
@@ -106,7 +105,7 @@ class VLLMRequests:
             payload = {**payload, "stop": list(self.vllm_stop)}
         servers = self.vllm_servers
         while True:
-            server = servers.route(_request_group.get())  # after the caller read the version it tags the turn with
+            server = servers.route(current_group.get())  # after the caller read the version it tags the turn with
             once = functools.partial(self._post_once, f"{servers.urls[server]}{path}", payload, timeout)
             try:
                 result = await servers.guard(server, self._retry(once, label=f"POST {path}", server=server))

@@ -48,10 +48,10 @@ class GRPORolloutWorker:
             (`rollout/start_method.py`: later children start in about a second), else "spawn".
         **loop_kwargs: forwarded to `loop_cls` in the child. Values that are multiprocessing primitives (queues,
             values, locks, or objects holding them, like a weight receiver) travel as process arguments; everything
-            else travels with cloudpickle. `generator` may be a `GeneratorSpec`, `"embedded"` (the policy
-            `model_name` names, loaded in the child, sampling with the loop's `temperature`, `top_p`, `top_k`,
-            `max_tokens` and `eos_token_ids`; it never receives new weights), or None / `"vllm"` (TRL's HTTP path
-            to `vllm_server_url`).
+            else travels with cloudpickle. `generator` may be a `GeneratorSpec`, a `GeneratorReplicasSpec` (several
+            generator processes), `"embedded"` (the policy `model_name` names, loaded in the child, sampling with
+            the loop's `temperature`, `top_p`, `top_k`, `max_tokens` and `eos_token_ids`; it never receives new
+            weights), or None / `"vllm"` (TRL's HTTP path to `vllm_server_url`).
 
     Raises:
         TypeError: a `generator` that is none of those.
@@ -228,9 +228,10 @@ class GRPORolloutWorker:
 def _generator_spec(loop_kwargs: dict[str, Any]) -> Any:
     """The loop's `generator` argument as a `GeneratorSpec`, or None for TRL's vLLM HTTP path."""
     from .generator import GeneratorSpec
+    from .replicas import GeneratorReplicasSpec
 
     generator = loop_kwargs.get("generator")
-    if generator is None or generator == "vllm" or isinstance(generator, GeneratorSpec):
+    if generator is None or generator == "vllm" or isinstance(generator, GeneratorSpec | GeneratorReplicasSpec):
         return None if generator == "vllm" else generator
     if generator == "embedded":
         options = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 256} | {

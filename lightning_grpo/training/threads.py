@@ -112,25 +112,27 @@ class FitThreads:
 
     def apply(self, hp: Any, *, on_cpu: bool, world_size: int) -> None:
         """Set the trainer's threads from the data module's options `hp` (`trainer_threads`, `generator`,
-        `generator_threads`)."""
+        `generator_threads`, `generator_replicas`: the cores every replica takes)."""
         from ..rollout.core_sharing import CoreSharing
 
         if self._before is not None:  # already set by an earlier `fit` setup
             return
         current = torch.get_num_threads()
+        replicas = hp.generator_replicas
         threads = trainer_threads_for(
             hp.trainer_threads,
             current=current,
             on_cpu=on_cpu,
             embedded_generator=hp.generator == "embedded",
-            generator_threads=hp.generator_threads,
+            generator_threads=hp.generator_threads and hp.generator_threads * replicas,
             world_size=world_size,
         )
         if threads is None:
             return
         self._before = current
         torch.set_num_threads(threads)
-        if hp.trainer_threads == "auto":  # a number asked for is used as given, never lent or borrowed
+        # A number asked for is used as given, never lent or borrowed; replicas keep their own cores.
+        if hp.trainer_threads == "auto" and replicas == 1:
             self.core_sharing = CoreSharing(trainer_threads=threads, generator_threads=hp.generator_threads)
         log.info(
             "Training with %d torch threads (was %d) beside the generator's %s%s.",
