@@ -17,8 +17,9 @@ class CompletionsTableCallback(Callback):
     TRL's `log_completions=True` with `logging_steps=n` and its `num_completions_to_print`, the Lightning way: the
     interval is this callback's (0 turns it off; the first and the run's last step are logged too), and the rows go to
     every attached logger: `completions.csv` beside a `CSVLogger`'s `metrics.csv`, the text tag `completions` in
-    TensorBoard, a `wandb.Table` with `WandbLogger` (see `lightning_grpo.training.completions` for the columns). Unlike TRL,
-    nothing is printed: the console has the progress bar.
+    TensorBoard, a `wandb.Table` with `WandbLogger`, the artifact `completions.json` with `MLFlowLogger` (see
+    `lightning_grpo.training.completions` for the columns). Unlike TRL, nothing is printed: the console has the
+    progress bar.
 
     Rank 0 only (it has the step's samples), after the step trained, from data the step already holds: the cost is
     building and writing at most `num_completions_to_print` rows on the steps it logs. `GRPOModule` adds one with

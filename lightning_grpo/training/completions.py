@@ -6,7 +6,9 @@ Each row is one training sample of the step: `step` (the step's row in `metrics.
 
 Where it goes, through Lightning's logger API: a `CSVLogger` gets `completions.csv` beside its `metrics.csv`
 (`pandas.read_csv` reads it), a `TensorBoardLogger` a markdown table under the text tag `completions`, a
-`WandbLogger` a `wandb.Table` (`WandbLogger.log_table`). Other loggers get nothing (said once).
+`WandbLogger` a `wandb.Table` (`WandbLogger.log_table`), an `MLFlowLogger` the run's artifact `completions.json`
+(`MlflowClient.log_table`: each table appended, `mlflow.load_table` reads it back). Other loggers get nothing (said
+once).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..pipeline.batch import StepBatch
@@ -28,6 +30,8 @@ from ..rollout.records import RolloutSample
 COMPLETIONS_CSV = "completions.csv"
 #: TensorBoard text tag and W&B table key.
 COMPLETIONS_KEY = "completions"
+#: MLflow artifact the tables are appended to.
+COMPLETIONS_JSON = "completions.json"
 
 Row = dict[str, Any]
 
@@ -84,6 +88,9 @@ def _write(logger: Logger, rows: list[Row], step: int) -> None:
         logger.experiment.add_text(COMPLETIONS_KEY, markdown_table(columns, rows), global_step=step)
     elif isinstance(logger, WandbLogger):
         logger.log_table(key=COMPLETIONS_KEY, columns=columns, data=[list(row.values()) for row in rows], step=step)
+    elif isinstance(logger, MLFlowLogger):
+        table = {column: [row.get(column) for row in rows] for column in columns}
+        logger.experiment.log_table(logger.run_id, data=table, artifact_file=COMPLETIONS_JSON)
     else:
         _say_once(type(logger).__name__)
 
@@ -117,7 +124,7 @@ _unsupported: set[str] = set()
 def _say_once(name: str) -> None:
     if name not in _unsupported:
         _unsupported.add(name)
-        rank_zero_info(f"The completions table is not written to {name} (CSV, TensorBoard and W&B loggers get it).")
+        rank_zero_info(f"The completions table is not written to {name} (CSV, TensorBoard, W&B and MLflow loggers get it).")
 
 
 def _round_robin(samples: list[RolloutSample], limit: int | None) -> list[int]:

@@ -164,7 +164,7 @@ def mlflow_name(key: str) -> str:
 
 @pytest.mark.filterwarnings("ignore:MLFlow only allows")  # the renaming `mlflow_name` checks
 @pytest.mark.timeout(300)
-def test_mlflow_sqlite_run_holds_every_metric_of_every_step_and_the_hyperparameters(
+def test_mlflow_sqlite_run_holds_every_metric_of_every_step_the_hyperparameters_and_the_completions_table(
     tmp_path, in_process, no_leaked_processes
 ):
     pytest.importorskip("mlflow", reason="MLflow is an optional extra: pip install -e '.[mlflow]'")
@@ -185,3 +185,12 @@ def test_mlflow_sqlite_run_holds_every_metric_of_every_step_and_the_hyperparamet
     assert_same_metrics(tracked, csv)
     assert mlflow_name("val/pass@1") == "val/pass1" and "val/pass@1" in csv[1]
     assert float(run.data.params["learning_rate"]) == done.model.hparams.learning_rate == 1e-3
+
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "completions.json", str(tmp_path))).read_text())
+    logged = pd.DataFrame(table["data"], columns=table["columns"])
+    completions = pd.read_csv(Path(done.trainer.loggers[0].log_dir) / "completions.csv")
+    assert sorted(logged["step"].unique()) == sorted(completions["step"].unique()) == [0, 1]
+    assert list(logged.columns) == list(completions.columns)
+    for column in ("step", "group_id", "prompt", "completion", "staleness"):
+        assert logged[column].tolist() == completions[column].tolist(), column
+    assert logged["reward"].tolist() == pytest.approx(completions["reward"].tolist())
