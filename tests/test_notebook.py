@@ -67,6 +67,11 @@ def test_quickstart_notebook_shows_the_reward_of_a_cell_defined_function_climbin
     assert climbed is not None and float(climbed[2]) > float(climbed[1]) + 0.1, text[-3000:]
     table = re.search(r"first step: mean reward ([\d.]+); last step: ([\d.]+)", text)
     assert table is not None and float(table[2]) > float(table[1]), text[-3000:]
+    held_out = re.search(r"held-out digit_fraction \(greedy\): (.*)", text)
+    assert held_out is not None, text[-3000:]
+    at_steps = [int(step) for step in re.findall(r"at step (\d+)", held_out[1])]
+    # one step numbering: validation every 4 optimizer steps is drawn and printed at 4, 8, ... as the bar says
+    assert at_steps and at_steps == list(range(4, 4 * len(at_steps) + 1, 4)), held_out[0]
     assert "\r" not in text, "the progress bar prints lines in a notebook, not carriage returns"
     assert any("image/png" in output.get("data", {}) for output in outputs(notebook)), "the plot was not shown"
     assert (tmp_path / "reward.png").stat().st_size > 1000
