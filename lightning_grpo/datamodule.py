@@ -122,7 +122,7 @@ class GRPODataModule(pl.LightningDataModule):
             the completion, as vLLM applies it; 1 is off.
         stop: strings that end a completion as an EOS does (vLLM's `stop`): the completion keeps the token that
             completed the string, is not truncated, and its text contains it.
-        epochs: passes over the prompts; the run ends when `epochs * len(dataset)` groups are consumed.
+        epochs: passes over the prompts (a resume may raise it); the run ends after `epochs * len(dataset)` groups.
         seed: shuffles each epoch's prompt order.
         max_staleness: how many policy versions a group may lag when it trains; generation is paced to stay within
             it and the rare staler group is dropped.
@@ -163,8 +163,8 @@ class GRPODataModule(pl.LightningDataModule):
             (counted in `tools/loop_exhausted_frac`). None: no limit (TRL's default, which lets a policy that never
             stops calling tools run until its context overflows).
         tool_timeout: seconds a tool call, an environment's `reset` or its `get_reward` may take; None: no limit.
-        allow_changed_data: resume a checkpoint whose prompts, `epochs`, `seed`, `num_generations` or groups per step
-            differ (else refused: `lightning_grpo.pipeline.run_identity`) with a new ledger of this data's groups.
+        allow_changed_data: resume with other prompts, `seed`, `num_generations` or groups per step, or fewer `epochs`,
+            than the checkpoint's (else refused: `lightning_grpo.pipeline.run_identity`), with a new ledger.
     """
 
     def __init__(

@@ -24,7 +24,7 @@ def check_resume(ckpt_path: Any, datamodule: Any, world_size: int | None) -> Non
 
     Raises:
         ValueError: one line: the file is missing, truncated, corrupt or foreign (see `read_checkpoint`), or it was
-            written by a run whose prompts, `epochs`, `seed`, `num_generations` or groups per step differ.
+            written by a run whose prompts, `seed`, `num_generations` or groups per step differ, or with more `epochs`.
     """
     checkpoint = check_checkpoint_file(ckpt_path)
     if checkpoint is None:

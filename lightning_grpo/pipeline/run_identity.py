@@ -4,8 +4,10 @@ Group `g` is prompt `perm(seed, epoch)[g % N]` of epoch `g // N` (`GroupSchedule
 checkpoint mean the same prompts only under the same prompts (their text, order and number), `epochs` and `seed`;
 `num_generations` and the groups in one optimizer step shape what a group and a step are. A resume that changes
 any of them would skip prompts it never trained and train others again, so it is refused, naming each difference;
-`GRPODataModule(allow_changed_data=True)` starts a new ledger instead. Everything else (learning rate, logging,
-`max_steps`, sampling, rewards) may change.
+`GRPODataModule(allow_changed_data=True)` starts a new ledger instead. Raising `epochs` is allowed: an epoch's
+permutation depends only on the seed and the epoch, so the recorded group ids keep their prompts and the schedule
+goes on with the new epochs (lowering it is refused: `max_steps` ends a run early). Everything else (learning rate,
+logging, `max_steps`, sampling, rewards) may change.
 """
 
 from __future__ import annotations
@@ -43,10 +45,13 @@ def run_identity(prompts: Any, hparams: Any, groups_per_step: int | None) -> dic
 
 
 def identity_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """`name: checkpoint -> now` for each recorded field that changed (a field missing on either side is skipped)."""
+    """`name: checkpoint -> now` for each recorded field that changed (a field missing on either side is skipped;
+    `epochs` raised is no change)."""
     changed = []
     for name in FIELDS:
         before, now = recorded.get(name), current.get(name)
+        if name == "epochs" and before is not None and now is not None and now > before:
+            continue  # the schedule extends: the recorded ids mean the same prompts
         if before is not None and now is not None and before != now:
             label = "dataset (a hash of its prompts in order)" if name == "dataset_fingerprint" else name
             changed.append(f"{label}: {before} in the checkpoint, {now} now")

@@ -114,8 +114,9 @@ def test_harmless_changes_resume_and_allow_changed_data_starts_a_new_ledger(chec
     from lightning_grpo.cli.resume import check_resume
 
     monkeypatch.setattr(sys, "argv", ["lightning-grpo"])
-    built = cli(["--config", SMOKE, "--model.learning_rate", "0.1", "--trainer.max_steps", "9"], run=False)
-    check_resume(str(checkpoint), built.datamodule, built.trainer.world_size)  # nothing the ledger reads changed
+    harmless = ["--model.learning_rate", "0.1", "--trainer.max_steps", "9", "--trainer.log_every_n_steps", "5"]
+    built = cli(["--config", SMOKE, *harmless, "--data.epochs", "2"], run=False)
+    check_resume(str(checkpoint), built.datamodule, built.trainer.world_size)  # the ledger's ids keep their prompts
 
     log = tmp_path / "groups.jsonl"
     result = _fit(
