@@ -77,11 +77,20 @@ def run_fit(model: str, urls: list[str], args: argparse.Namespace, out: Path) ->
     trainer.fit(module, datamodule=datamodule)
     ended = time.perf_counter()
     split = [served(url) - b for url, b in zip(urls, before, strict=True)]
+    return fit_rates(trainer, datamodule, clock, ended) | {
+        "server_a_requests": split[0],
+        "server_b_requests": split[1] if len(split) > 1 else 0.0,
+    }
+
+
+def fit_rates(trainer: pl.Trainer, datamodule: GRPODataModule, clock: StepClock, ended: float) -> dict[str, float]:
+    """A finished fit's prompt groups consumed per second after its first optimizer step, the trainer's idle fraction
+    over that span, its steps and the groups consumed (the trainer logs to a `CSVLogger`)."""
     metrics = pd.read_csv(Path(trainer.logger.log_dir) / "metrics.csv")
     consumed = len(datamodule.progress.consumed)
     first_end, first_groups = clock.first
     span = ended - first_end
-    # Waits logged from step 2 on: the first step's wait includes the servers' first requests and the child's start.
+    # Waits logged from step 2 on: the first step's wait includes the generator's first requests and the child's start.
     waits = metrics.dropna(subset=["perf/rollout_wait_s"])
     wait_after = float(waits["perf/rollout_wait_s"].iloc[1:].sum())
     return {
@@ -89,8 +98,6 @@ def run_fit(model: str, urls: list[str], args: argparse.Namespace, out: Path) ->
         "idle_frac": wait_after / span,
         "steps": trainer.global_step,
         "consumed": consumed,
-        "server_a_requests": split[0],
-        "server_b_requests": split[1] if len(split) > 1 else 0.0,
     }
 
 

@@ -8,7 +8,9 @@ shared-memory block, and the fits are real `Trainer.fit`s.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import time
 
 import lightning.pytorch as pl
@@ -20,9 +22,10 @@ from helpers.fit_rewards import char_count_reward
 from helpers.rollouts import collect_groups
 
 from lightning_grpo.models import tiny_llama
+from lightning_grpo.rollout.balancing import current_group
 from lightning_grpo.rollout.generator import GeneratorSpec, PolicySpec
 from lightning_grpo.rollout.records import GENERATOR_REPLICA
-from lightning_grpo.rollout.replicas import GeneratorReplicasSpec, replica_cores
+from lightning_grpo.rollout.replicas import WATCH_S, GeneratorReplicasSpec, replica_cores
 from lightning_grpo.rollout.sampling import teacher_forced_logprobs
 from lightning_grpo.rollout.worker import GRPORolloutWorker
 from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer
@@ -69,6 +72,35 @@ def test_bad_replica_options_are_named_with_the_fix():
 
 
 # -- real replicas ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_that_goes_silent_fails_every_later_request_naming_it(no_leaked_processes):
+    """Two replicas of the named tiny model, built here: a request the replica refuses raises its ValueError; then
+    replica 1 is stopped (SIGSTOP) and, once it has sent no heartbeat for `stale_after_s`, requests fail naming it."""
+    replicas = GeneratorReplicasSpec(GeneratorSpec(MODEL, max_tokens=4, num_threads=1), 2, stale_after_s=2).build()
+    silenced = replicas.replicas[1].process
+
+    async def on_group(group_id: int, prompt: list[int]):
+        current_group.set(group_id)
+        return await replicas.generate(prompt)
+
+    async def two_groups():
+        return await asyncio.wait_for(asyncio.gather(on_group(0, [2, 40]), on_group(1, [2, 41])), 120)
+
+    try:
+        outputs = asyncio.run(two_groups())
+        assert [len(output.token_ids) for output in outputs] == [4, 4]
+        assert {replicas.replica_of(0), replicas.replica_of(1)} == {0, 1}
+        with pytest.raises(ValueError, match="Generator replica 0: .*outside the model's vocabulary"):
+            asyncio.run(on_group(0, [10**6]))
+        os.kill(silenced.pid, signal.SIGSTOP)
+        time.sleep(2 + 3 * WATCH_S)
+        with pytest.raises(RuntimeError, match=rf"Generator replica 1 of 2 \(pid {silenced.pid}, cores 1\) sent no "):
+            asyncio.run(on_group(2, [2, 42]))
+    finally:
+        os.kill(silenced.pid, signal.SIGCONT)
+        replicas.close()
 
 
 @pytest.mark.timeout(600)
