@@ -167,7 +167,7 @@ def test_a_two_node_job_killed_mid_fit_and_started_again_trains_the_remaining_gr
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     commands, envs = by_hand(write_config(tmp_path / "run1", kill_at=kill_at), free_port())
     first = [subprocess.Popen(c, stdout=logs[i].open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                              env=dict(os.environ, PYTHONPATH=str(TESTS), **envs[i]))
+                              env=dict(os.environ, PYTHONPATH=str(TESTS), **envs[i]), cwd=tmp_path)
              for i, c in enumerate(commands)]  # fmt: skip
     try:
         assert first[0].wait(timeout=300) == -signal.SIGKILL, tails(logs)  # node 0 died at the start of step 3
