@@ -34,7 +34,9 @@ def resolve_callable(spec: str | Callable, what: str) -> Callable:
         return spec
     value = import_object(spec, what)
     if not callable(value):
-        raise ValueError(f"`{what}` entry {spec!r} names a {type(value).__name__}, not a callable.")
+        raise ValueError(
+            f"`{what}` entry {spec!r} names a {type(value).__name__}, not a callable: name a function or a class."
+        )
     return value
 
 

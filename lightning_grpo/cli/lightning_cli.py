@@ -39,11 +39,13 @@ _TOP_LEVEL_FACTORIES = ("optimizer", "lr_scheduler")
 
 
 class GRPOArgumentParser(LightningArgumentParser):
-    """LightningCLI's parser; an unrecognized option or an invalid choice is answered with the closest valid one."""
+    """LightningCLI's parser; an unrecognized option or an invalid choice is answered with the closest valid one, and
+    every error is one line (jsonargparse puts the expected type on lines of its own)."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         parser = getattr(ex, "subcommand_parser", None) or self
-        super().error(message + suggestion(message, list(parser._option_string_actions)), ex)
+        one_line = " ".join(line.strip() for line in message.splitlines() if line.strip())
+        super().error(one_line + suggestion(message, list(parser._option_string_actions)), ex)
 
 
 class GRPOLightningCLI(LightningCLI):

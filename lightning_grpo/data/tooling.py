@@ -45,8 +45,15 @@ class ConversationSpec:
 
     @functools.cached_property
     def environments(self) -> Environments | None:
-        """The environments on this process (made on first use: one probe instance per factory)."""
-        return None if self.environment_factory is None else Environments(self.environment_factory)
+        """The environments on this process (made on first use: one probe instance per factory), their tools checked
+        as `tools` are (a factory function's instances are seen only here)."""
+        if self.environment_factory is None:
+            return None
+        environments = Environments(self.environment_factory)
+        for name, tools in environments.tools.items():
+            for tool in tools:
+                _check_schema(tool, "environment_factory" if name is None else f"environment_factory[{name!r}]")
+        return environments
 
     @property
     def reward_names(self) -> list[str]:
@@ -114,8 +121,8 @@ def resolve_environment_factory(spec: FactorySpec | dict[str, FactorySpec] | Non
     an instance (it needs `reset`, and schemas for its tool methods).
 
     Raises:
-        ValueError: a path that does not import, a factory that is not callable, a class without `reset` or with a
-            tool method TRL cannot render.
+        ValueError: a path that does not import, a factory that is not callable or not with zero arguments, a class
+            without `reset` or with a tool method TRL cannot render.
     """
     if spec is None:
         return None
@@ -129,6 +136,7 @@ def _resolve_factory(spec: FactorySpec, what: str) -> Callable[[], Any]:
     if not callable(factory):
         raise ValueError(f"`GRPODataModule({what}={spec!r})` is not callable: pass a class or a function that returns "
                          "an environment.")  # fmt: skip
+    _check_no_arguments(factory, what)
     if isinstance(factory, type):
         members = dict(inspect.getmembers(factory, predicate=inspect.isfunction))
         if "reset" not in members:
@@ -140,6 +148,23 @@ def _resolve_factory(spec: FactorySpec, what: str) -> Callable[[], Any]:
             if name not in ("reset", "get_reward") and not name.startswith("_"):
                 _check_schema(method, f"{what}={factory.__name__}")
     return factory
+
+
+def _check_no_arguments(factory: Callable, what: str) -> None:
+    """Refuse a factory that cannot be called with no arguments (TRL and the rollout loop call `factory()`)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: calling it is the only check
+        return
+    try:
+        signature.bind()
+    except TypeError:
+        name = getattr(factory, "__qualname__", repr(factory))
+        arguments = ", ".join(signature.parameters)
+        raise ValueError(
+            f"`GRPODataModule({what}={name})` takes arguments ({arguments}), but an environment factory is called with "
+            f"none: give them defaults, or pass a zero-argument function or `functools.partial({name}, ...)`."
+        ) from None
 
 
 def _check_schema(tool: Callable, what: str) -> None:

@@ -8,8 +8,6 @@ the command in-process through `lightning_grpo.cli.main`/`cli`.
 from __future__ import annotations
 
 import math
-import multiprocessing.process
-import subprocess
 import sys
 from importlib.resources import files
 from pathlib import Path
@@ -30,26 +28,6 @@ LORA = str(CONFIGS / "lora.yaml")
 
 def run_command(args: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
     return run_in_session(args, log=cwd / "log.txt", timeout=timeout, cwd=cwd)
-
-
-@pytest.fixture
-def started_processes(monkeypatch) -> list[str]:
-    """Records every process started from now on (multiprocessing or subprocess), then starts it as usual."""
-    started: list[str] = []
-    process_start = multiprocessing.process.BaseProcess.start
-    popen_init = subprocess.Popen.__init__
-
-    def recording_start(self):
-        started.append(f"multiprocessing: {self.name}")
-        return process_start(self)
-
-    def recording_popen(self, args, *rest, **kwargs):
-        started.append(f"subprocess: {args}")
-        return popen_init(self, args, *rest, **kwargs)
-
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
-    monkeypatch.setattr(subprocess.Popen, "__init__", recording_popen)
-    return started
 
 
 def printed_config(capsys, args: list[str]) -> str:
