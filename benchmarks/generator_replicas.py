@@ -6,8 +6,10 @@ core sharing) and `generator_replicas=2` (two replica processes, each pinned to 
 arithmetic prompts, `--completions` per group, up to `--max-tokens` each, `max_staleness=2`), for each `--models`
 entry. Reported per fit (median over `--repeats`): prompt groups consumed per second after the first optimizer step
 (without the start-up, which a longer run amortises; replicas pay for their own import and model load there), the
-trainer's idle fraction (its wait for rollouts over the same span), and how the trained groups split over the
-replicas (`extras["generator_replica"]`); then the ratio 2 replicas / 1.
+trainer's idle fraction (its wait for rollouts over the same span), groups per CPU-second over the same span (the
+CPU time of the trainer, the rollout child and the replicas: on a machine shared with other work, more busy processes
+take a larger share of it, which groups per second alone would count as speed), and how the trained groups split
+over the replicas (`extras["generator_replica"]`); then the ratios 2 replicas / 1.
 
 Read the figures with the machine in mind: on a 2-core machine the two one-core replicas and the trainer's one
 thread oversubscribe the CPU (three busy threads on two cores, and the single generator's core sharing is gone), so
@@ -20,6 +22,7 @@ Usage: `python benchmarks/generator_replicas.py [--models tiny smollm2] [--promp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
 import lightning.pytorch as pl  # noqa: E402
+import psutil  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from scale_out import REWARDS, StepClock, fit_rates  # noqa: E402
 
@@ -41,14 +45,35 @@ CONFIGS = {"1 replica": 1, "2 replicas": 2}
 
 
 class ReplicaSplit(pl.Callback):
-    """How many trained groups each replica sampled."""
+    """How many trained groups each replica sampled, and the CPU seconds the fit's processes (the trainer, the rollout
+    child and everything under it) had used at the end of the first optimizer step and of the last."""
 
     def __init__(self) -> None:
         self.groups: dict[int, int] = {}
+        self.cpu: list[tuple[float, int]] = []  # (CPU seconds, groups consumed) after each step from step 1 on
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx) -> None:
         for sample in batch.samples:
             self.groups[sample.group_id] = sample.extras.get(GENERATOR_REPLICA, 0)
+        if trainer.global_step >= 1:
+            self.cpu.append(
+                (_cpu_seconds(trainer.datamodule.rollout_worker.pid), len(trainer.datamodule.progress.consumed))
+            )
+
+    def groups_per_cpu_s(self) -> float:
+        (cpu_first, groups_first), (cpu_last, groups_last) = self.cpu[0], self.cpu[-1]
+        return (groups_last - groups_first) / (cpu_last - cpu_first)
+
+
+def _cpu_seconds(child_pid: int) -> float:
+    """User + system CPU seconds of this process and of the rollout child's tree (the replicas included)."""
+    child = psutil.Process(child_pid)
+    total = 0.0
+    for process in [psutil.Process(), child, *child.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def run_fit(model: str, replicas: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
@@ -71,7 +96,11 @@ def run_fit(model: str, replicas: int, args: argparse.Namespace, out: Path) -> d
     trainer.fit(module, datamodule=datamodule)
     rates = fit_rates(trainer, datamodule, clock, time.perf_counter())
     counts = Counter(split.groups.values())
-    return rates | {"replica_0_groups": counts[0], "replica_1_groups": counts[1]}
+    return rates | {
+        "groups_per_cpu_s": split.groups_per_cpu_s(),
+        "replica_0_groups": counts[0],
+        "replica_1_groups": counts[1],
+    }
 
 
 def main() -> None:
@@ -93,8 +122,11 @@ def main() -> None:
     order = []
     for repeat in range(args.repeats):
         order += list(CONFIGS) if repeat % 2 == 0 else list(reversed(CONFIGS))
-    print("\n| model | replicas | groups/s after step 1 | trainer idle fraction | groups replica 0 / 1 | consumed |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| model | replicas | groups/s after step 1 | groups per CPU-second | trainer idle fraction "
+        "| groups replica 0 / 1 | consumed |"
+    )
+    print("|---|---|---|---|---|---|---|")
     ratios = {}
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
@@ -106,16 +138,21 @@ def main() -> None:
             }
             for name, m in median.items():
                 print(
-                    f"| {model} | {name} | {m['groups_per_s']:.3f} | {m['idle_frac']:.2f} | "
+                    f"| {model} | {name} | {m['groups_per_s']:.3f} | {m['groups_per_cpu_s']:.4f} | {m['idle_frac']:.2f} | "
                     f"{m['replica_0_groups']:.0f} / {m['replica_1_groups']:.0f} | {m['consumed']:.0f} |",
                     flush=True,
                 )
             one, two = median["1 replica"], median["2 replicas"]
-            ratios[model] = (two["groups_per_s"] / one["groups_per_s"], two["idle_frac"], one["idle_frac"])
-    for model, (ratio, idle_two, idle_one) in ratios.items():
+            ratios[model] = (
+                two["groups_per_s"] / one["groups_per_s"],
+                two["groups_per_cpu_s"] / one["groups_per_cpu_s"],
+                two["idle_frac"],
+                one["idle_frac"],
+            )
+    for model, (ratio, per_cpu, idle_two, idle_one) in ratios.items():
         print(
-            f"{model}: 2 replicas {ratio:.2f}x the groups per second of 1; trainer idle {idle_two:.2f} vs "
-            f"{idle_one:.2f} ({cores} cores shared by the replicas and the trainer)"
+            f"{model}: 2 replicas {ratio:.2f}x the groups per second of 1 ({per_cpu:.2f}x per CPU-second); trainer "
+            f"idle {idle_two:.2f} vs {idle_one:.2f} ({cores} cores shared by the replicas and the trainer)"
         )
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

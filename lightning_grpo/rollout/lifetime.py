@@ -1,4 +1,5 @@
-"""Processes that die with their parent: the rollout child and the reward pool's workers."""
+"""Processes that die with their parent (the rollout child, the reward pool's workers, the generator replicas), and
+how one ended."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -55,3 +57,14 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except FileNotFoundError:
         return False
+
+
+def exit_status(process: subprocess.Popen, timeout_s: float) -> str:
+    """How `process` ended ("killed by SIGKILL", "exit code 1"), waiting up to `timeout_s` for it to end."""
+    try:
+        code = process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return "no exit status"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"signal {-code}"
+    return f"exit code {code}"

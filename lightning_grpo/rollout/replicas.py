@@ -30,7 +30,6 @@ import itertools
 import logging
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from .balancing import GroupRouter, current_group
+from .lifetime import exit_status
 
 if TYPE_CHECKING:
     from .batching import GenerationOutput
@@ -331,13 +331,7 @@ class _Replica:
         return True
 
     def exit_status(self) -> str:
-        try:
-            code = self.process.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            return "still running"
-        if code < 0:
-            return f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"signal {-code}"
-        return f"exit code {code}"
+        return exit_status(self.process, timeout_s=2.0)
 
     def stop(self, grace_s: float) -> None:
         process = self.process

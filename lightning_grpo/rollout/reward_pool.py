@@ -14,7 +14,6 @@ import math
 import multiprocessing
 import numbers
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +28,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import cloudpickle
+
+from .lifetime import exit_status
 
 log = logging.getLogger(__name__)
 
@@ -460,13 +461,7 @@ class _Slot:
         return "\n".join(problems)
 
     def _exit_status(self) -> str:
-        try:
-            code = self._proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            return "no exit status"
-        if code < 0:
-            return f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"signal {-code}"
-        return f"exit code {code}"
+        return exit_status(self._proc, timeout_s=5)
 
     def kill(self, final: bool = False) -> None:
         """SIGKILLs the worker and reaps it; with `final`, no worker is started again."""

@@ -4,8 +4,9 @@
 is one URL: it balances its own engines). `VLLMServers` is the rollout child's view of them:
 
 - **Balancing, one server per group**: a group's first request goes to the live server with the fewest requests in
-  flight (on a tie, the one given the fewest groups), and every later request of that group (its other completions, the later turns of its conversations) goes
-  to the same server, so a group sees one server's sequence of weights, as with a single server.
+  flight (on a tie, the one given the fewest groups), and every later request of that group (its other completions,
+  the later turns of its conversations) goes to the same server, so a group sees one server's sequence of weights, as
+  with a single server (`balancing.GroupRouter`, which the embedded generator's replicas share).
 - **Lost servers**: a server is lost when its process has exited (a server `VLLMServer` started on this machine), when
   it has not answered `/health` for `stale_after_s`, when a request to it kept failing past the retry limit, or when
   the trainer could not push weights to it (it then sets the server's flag in `lost`, shared memory both sides see,
@@ -23,9 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
+
+from .balancing import GroupRouter
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,6 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 1.0
 #: Seconds one `/health` probe may take.
 PROBE_TIMEOUT_S = 5.0
-# Groups whose server is remembered; far more than can be in flight at once (max_inflight_tasks / num_generations).
-_GROUP_MEMORY = 4096
 
 
 class ServerLost(Exception):
@@ -93,13 +93,12 @@ class VLLMServers:
         self.urls = tuple(urls)
         self.failover = failover
         self.stale_after_s = stale_after_s
-        self.inflight = [0] * len(self.urls)
-        self.groups_routed = [0] * len(self.urls)  # groups (and requests without a group) each server was given
+        self._router = GroupRouter(len(self.urls))
+        self.inflight = self._router.inflight  # requests in flight per server, counted by `guard`
         self._shared = lost
         self._counters = counters if counters is not None else {}
         self._lost: dict[int, str] = {}  # server -> why it was lost
         self._events = [asyncio.Event() for _ in self.urls]
-        self._groups: OrderedDict[int, int] = OrderedDict()
         self._last_ok = [time.monotonic()] * len(self.urls)
 
     @property
@@ -118,16 +117,7 @@ class VLLMServers:
         live = self.live
         if self._lost and (not self.failover or not live):
             raise RuntimeError(self._failure())
-        server = self._groups.get(group_id) if group_id is not None else None
-        if server is None or server in self._lost:
-            server = min(live, key=lambda i: (self.inflight[i], self.groups_routed[i], i))  # ties: spread groups
-            self.groups_routed[server] += 1
-            if group_id is not None:
-                self._groups[group_id] = server
-                self._groups.move_to_end(group_id)
-                while len(self._groups) > _GROUP_MEMORY:
-                    self._groups.popitem(last=False)
-        return server
+        return self._router.route(group_id, live)
 
     def is_lost(self, server: int) -> bool:
         self.refresh()

@@ -25,6 +25,29 @@ def collect_groups(worker, count: int, timeout: float = 120.0) -> dict[int, list
     return groups
 
 
+def groups_per_version(worker, sync, models, per_version: int = 2, timeout: float = 180.0):
+    """Publish each of `models` in turn through `sync` (the first one already pushed) and let `per_version` groups in
+    after each push: for a worker paced by `groups_per_step=per_version`, `max_staleness=0`. Returns the groups."""
+    groups: dict[int, list[RolloutSample]] = {}
+    for version in range(len(models)):
+        if version:
+            sync.push(models[version])
+        worker.groups_consumed = per_version * version  # lets the next groups in, after the push
+        groups |= collect_groups(worker, per_version, timeout=timeout)
+    return groups
+
+
+def check_sampled_by(samples, model, temperature: float, atol: float = 1e-4) -> None:
+    """Each sample's logprobs are those of a teacher-forced forward of `model` at `temperature`."""
+    from lightning_grpo.rollout.sampling import teacher_forced_logprobs
+
+    for sample in samples:
+        prompt_len = int((sample.completion_mask == 0).sum())
+        completion = sample.input_ids[prompt_len:].tolist()
+        reference = teacher_forced_logprobs(model, sample.input_ids[:prompt_len].tolist(), completion, temperature)
+        np.testing.assert_allclose(sample.old_log_probs[prompt_len:], reference.numpy(), atol=atol)
+
+
 def check_stopped_samples(groups, model, tokenizer, stop: list[str], max_tokens: int, **sampling) -> None:
     """Each sample is cut at its first stop string (then not truncated) or else at an EOS id or `max_tokens`, and its
     logprobs are those of the processed distribution (`sampling`); at least one met a stop string."""

@@ -14,19 +14,17 @@ import signal
 import time
 
 import lightning.pytorch as pl
-import numpy as np
 import psutil
 import pytest
 from datasets import Dataset
 from helpers.fit_rewards import char_count_reward
-from helpers.rollouts import collect_groups
+from helpers.rollouts import check_sampled_by, groups_per_version
 
 from lightning_grpo.models import tiny_llama
 from lightning_grpo.rollout.balancing import current_group
 from lightning_grpo.rollout.generator import GeneratorSpec, PolicySpec
 from lightning_grpo.rollout.records import GENERATOR_REPLICA
 from lightning_grpo.rollout.replicas import WATCH_S, GeneratorReplicasSpec, replica_cores
-from lightning_grpo.rollout.sampling import teacher_forced_logprobs
 from lightning_grpo.rollout.worker import GRPORolloutWorker
 from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer
 from lightning_grpo.weights.sync import WeightSync
@@ -122,16 +120,11 @@ def test_each_group_is_sampled_on_one_replica_by_the_weights_its_version_names(t
         temperature=0.7, reward_num_workers=0, epochs=1, shuffle=False, groups_per_step=2, max_staleness=0,
         generator=GeneratorReplicasSpec(spec, 2), child_ready_timeout=300,
     )  # fmt: skip
-    groups = {}
     try:
         worker.start()
         sync.on_version(worker.update_model_version)
         pinned = {index: p.cpu_affinity() for index, p in replica_processes(worker).items()}
-        for version in range(3):
-            if version:
-                sync.push(models[version])
-            worker.groups_consumed = 2 * version  # lets the next two groups in, after the push
-            groups |= collect_groups(worker, 2, timeout=180)
+        groups = groups_per_version(worker, sync, models)
     finally:
         worker.stop()
         sync.close()
@@ -142,13 +135,7 @@ def test_each_group_is_sampled_on_one_replica_by_the_weights_its_version_names(t
         [version] = {sample.model_version for sample in samples}
         [replicas[group_id]] = {sample.extras[GENERATOR_REPLICA] for sample in samples}
         assert version == group_id // 2
-        for sample in samples:
-            prompt_len = int((sample.completion_mask == 0).sum())
-            completion = sample.input_ids[prompt_len:].tolist()
-            reference = teacher_forced_logprobs(
-                models[version], sample.input_ids[:prompt_len].tolist(), completion, 0.7
-            )
-            np.testing.assert_allclose(sample.old_log_probs[prompt_len:], reference.numpy(), atol=1e-4)
+        check_sampled_by(samples, models[version], temperature=0.7)
     assert set(replicas.values()) == {0, 1}, replicas
     # each version's two groups were admitted together onto idle replicas: one on each
     assert all({replicas[2 * v], replicas[2 * v + 1]} == {0, 1} for v in range(3)), replicas

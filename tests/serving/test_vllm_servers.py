@@ -20,7 +20,7 @@ import pytest
 import requests
 from datasets import Dataset
 from helpers.fit_rewards import char_count_reward
-from helpers.rollouts import collect_groups
+from helpers.rollouts import check_sampled_by, groups_per_version
 from lightning.pytorch.loggers.logger import Logger
 
 from lightning_grpo.models import tiny_llama
@@ -104,14 +104,6 @@ def start_worker(urls: list[str], tokenizer, **overrides) -> GRPORolloutWorker:
     return worker
 
 
-def check_sampled_by(samples, model) -> None:
-    for sample in samples:
-        prompt_len = int((sample.completion_mask == 0).sum())
-        completion = sample.input_ids[prompt_len:].tolist()
-        reference = teacher_forced_logprobs(model, sample.input_ids[:prompt_len].tolist(), completion, 0.7)
-        np.testing.assert_allclose(sample.old_log_probs[prompt_len:], reference.numpy(), atol=TOLERANCE)
-
-
 # -- no server needed -------------------------------------------------------------------------------------------------
 
 
@@ -161,13 +153,8 @@ def test_groups_spread_over_both_servers_and_a_version_tags_only_samples_of_its_
     served_before = [requests_served(url) for url in urls]
     worker = start_worker(urls, tokenizer, groups_per_step=2, max_staleness=0, vllm_lost=fan_out.lost)
     sync.on_version(worker.update_model_version)
-    groups = {}
     try:
-        for version in range(3):
-            if version:
-                sync.push(models[version])
-            worker.groups_consumed = 2 * version  # lets the next two groups in, after the push
-            groups |= collect_groups(worker, 2, timeout=180)
+        groups = groups_per_version(worker, sync, models)
     finally:
         worker.stop()
         sync.close()
@@ -175,7 +162,7 @@ def test_groups_spread_over_both_servers_and_a_version_tags_only_samples_of_its_
     for group_id, samples in groups.items():
         [version] = {sample.model_version for sample in samples}
         assert version == group_id // 2
-        check_sampled_by(samples, models[version])
+        check_sampled_by(samples, models[version], temperature=0.7, atol=TOLERANCE)
     served = [requests_served(url) - before for url, before in zip(urls, served_before, strict=True)]
     assert sum(served) == 6 * 4 and all(count > 0 and count % 4 == 0 for count in served), served
 
