@@ -31,7 +31,11 @@ DEFAULT_CONFIG = str(files("lightning_grpo.configs") / "arithmetic.yaml")
 ACCURACY = "val/rewards/accuracy"
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None, *, held_out: str = ACCURACY) -> dict[str, Any]:
+    """Run the main job with `lightning-grpo fit` arguments `argv` (default `sys.argv[1:]`); returns its summary.
+
+    `held_out` is the validation metric printed before and after (a recipe's score, e.g. `val/rewards/solved`).
+    """
     from .app import cli
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -43,19 +47,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # model summary, which a flag can bring back.
     program, sys.argv = sys.argv, [sys.argv[0], "--trainer.enable_model_summary", "false", *argv]
     try:
-        summary = _run(cli(None, run=False), memory)
+        summary = _run(cli(None, run=False), memory, held_out)
     finally:
         sys.argv = program
     return summary
 
 
-def _run(command: Any, memory: _PeakMemory) -> dict[str, Any]:
+def _run(command: Any, memory: _PeakMemory, held_out: str = ACCURACY) -> dict[str, Any]:
     trainer, module, datamodule = command.trainer, command.model, command.datamodule
-    validations = _LastValidation()
+    validations = _LastValidation(held_out)
     trainer.callbacks.append(validations)
+    label = _label(held_out)
 
-    before = _accuracy(trainer.validate(module, datamodule=datamodule, verbose=False))
-    print(f"held-out accuracy before training: {before:.3f}", flush=True)
+    before = _accuracy(trainer.validate(module, datamodule=datamodule, verbose=False), held_out)
+    print(f"held-out {label} before training: {before:.3f}", flush=True)
     print(_describe_policy(module), flush=True)
     started = time.monotonic()
     trainer.fit(module, datamodule=datamodule)
@@ -63,7 +68,7 @@ def _run(command: Any, memory: _PeakMemory) -> dict[str, Any]:
     # The fit validates when the stream ends it; validate again only if that did not happen after the last step.
     after = validations.accuracy_at(trainer.global_step)
     if after is None:
-        after = _accuracy(trainer.validate(module, datamodule=datamodule, verbose=False))
+        after = _accuracy(trainer.validate(module, datamodule=datamodule, verbose=False), held_out)
 
     log_dir = _csv_log_dir(trainer)
     summary = {
@@ -78,10 +83,10 @@ def _run(command: Any, memory: _PeakMemory) -> dict[str, Any]:
         "plot": str(log_dir / "reward.png"),
     }
     if (log_dir / "metrics.csv").exists():
-        plot_rewards(log_dir / "metrics.csv", log_dir / "reward.png", before=before)
+        plot_rewards(log_dir / "metrics.csv", log_dir / "reward.png", before=before, held_out=held_out)
     (log_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(
-        f"held-out accuracy after training:  {after:.3f}  ({summary['optimizer_steps']} optimizer steps, "
+        f"held-out {label} after training:  {after:.3f}  ({summary['optimizer_steps']} optimizer steps, "
         f"{summary['groups_consumed']} prompt groups, fit {minutes:.1f} min, peak memory {summary['peak_rss_gb']} GB)"
     )
     for label, path in (
@@ -172,8 +177,7 @@ def plot_rewards(
     if before is not None and 0 not in steps:
         steps, values = [0, *steps], [before, *values]
     if steps:
-        name = held_out.removeprefix("val/rewards/").removeprefix("val/")
-        ax.plot(steps, values, "o-", label=f"held-out greedy {name}")
+        ax.plot(steps, values, "o-", label=f"held-out greedy {_label(held_out)}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(0, 1.05)
@@ -185,21 +189,26 @@ def plot_rewards(
     return fig
 
 
-def _accuracy(results: list[dict[str, float]]) -> float:
-    values = [r[ACCURACY] for r in results if ACCURACY in r]
+def _accuracy(results: list[dict[str, float]], held_out: str = ACCURACY) -> float:
+    values = [r[held_out] for r in results if held_out in r]
     return float(values[0]) if values else float("nan")
 
 
-class _LastValidation(pl.Callback):
-    """Remembers the held-out accuracy of the latest validation and the optimizer step it ran at."""
+def _label(held_out: str) -> str:
+    return held_out.removeprefix("val/rewards/").removeprefix("val/")
 
-    def __init__(self) -> None:
+
+class _LastValidation(pl.Callback):
+    """Remembers the held-out score (`held_out`) of the latest validation and the optimizer step it ran at."""
+
+    def __init__(self, held_out: str = ACCURACY) -> None:
+        self.held_out = held_out
         self.step: int | None = None
         self.accuracy: float | None = None
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking and ACCURACY in trainer.callback_metrics:
-            self.step, self.accuracy = trainer.global_step, float(trainer.callback_metrics[ACCURACY])
+        if not trainer.sanity_checking and self.held_out in trainer.callback_metrics:
+            self.step, self.accuracy = trainer.global_step, float(trainer.callback_metrics[self.held_out])
 
     def accuracy_at(self, step: int) -> float | None:
         return self.accuracy if self.step == step else None

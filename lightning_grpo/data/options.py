@@ -129,6 +129,10 @@ def check_dataset_options(
             )
         elif not gyms:
             problems += format_option_problems(dataset_format, dataset_options or {})
+    elif dataset_options and "number_guess" in sources and not gyms:
+        from ..environments.number_guess import option_problems as number_guess_option_problems
+
+        problems += number_guess_option_problems(dataset_options)
     elif dataset_options and not gyms:
         problems.append(
             f"dataset_options={dataset_options!r} is for a dataset_format preset or a `reasoning_gym:<task>` dataset, "

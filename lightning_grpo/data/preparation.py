@@ -86,6 +86,7 @@ def build_contract(hp: Any, data: PromptData, reward_funcs: Sequence[Callable]) 
         advantage_estimator=hp.advantage_estimator,
         min_p=hp.min_p,
         conversation=data.conversation,
+        stop=tuple(hp.get("stop") or ()),
     )
 
 
@@ -117,7 +118,7 @@ def _check(prompts: Dataset, reward_funcs: Sequence[Callable], source: str) -> N
 def _load_val_prompts(hp: Any, dataset: Any, val_dataset: Any, reward_funcs: Sequence[Callable]) -> Dataset | None:
     val_seed = hp.dataset_seed + max(VAL_SEED_OFFSET, hp.dataset_size or 0)
     if val_dataset is None and isinstance(dataset, str) and dataset in BUILTIN_DATASETS:
-        return load_prompts(dataset, size=hp.val_size, seed=val_seed)
+        return load_prompts(dataset, size=hp.val_size, seed=val_seed, dataset_options=hp.get("dataset_options"))
     if val_dataset is None and is_reasoning_gym(dataset):
         val_dataset = dataset  # the same task and options, another seed
     if val_dataset is None:

@@ -1,4 +1,4 @@
-"""Prompt datasets: the builtin synthetic arithmetic and calculator tasks, reasoning-gym's tasks
+"""Prompt datasets: the builtin synthetic arithmetic, calculator and number-guessing tasks, reasoning-gym's tasks
 (`"reasoning_gym:<task>"`), local `.jsonl` / `.parquet` files, `datasets.Dataset`s and Hugging Face Hub datasets, the last three optionally mapped by a
 preset (`dataset_format`: GSM8K, MATH, prompt + answer; see `lightning_grpo.data.formats`).
 
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from datasets import Dataset
 
-BUILTIN_DATASETS = ("arithmetic", "calculator")
+BUILTIN_DATASETS = ("arithmetic", "calculator", "number_guess")
 ANSWER_INSTRUCTION = "Put the final answer in \\boxed{}."
 
 
@@ -63,8 +63,9 @@ def load_prompts(
     dataset name.
 
     Args:
-        source: `"arithmetic"` or `"calculator"` (builtin; `size` problems, default 600; see
-            `lightning_grpo.data.calculator`), `"reasoning_gym:<task>"` (`size` entries of
+        source: `"arithmetic"`, `"calculator"` or `"number_guess"` (builtin; `size` problems, default 600; see
+            `lightning_grpo.data.calculator` and `lightning_grpo.environments.number_guess`, whose `high` is a
+            `dataset_options` key), `"reasoning_gym:<task>"` (`size` entries of
             that generator, default its own 500; see `lightning_grpo.data.reasoning_gym`), a path to a
             `.jsonl`/`.json` or `.parquet` file, a `datasets.Dataset`, or a Hub dataset name (needs network access).
         size: number of rows to keep (the first `size`); for a generator, how many to generate.
@@ -89,6 +90,10 @@ def load_prompts(
         from .calculator import calculator_dataset
 
         return calculator_dataset(size or 600, seed)
+    elif source == "number_guess":
+        from ..environments.number_guess import number_guess_dataset
+
+        return number_guess_dataset(size or 600, seed, **(dataset_options or {}))
     elif source in BUILTIN_DATASETS:
         return arithmetic_dataset(size or 600, seed)
     elif _looks_like_path(source):

@@ -5,7 +5,8 @@ GRPO fit then loads as `model.model: <folder>`.
     lightning-grpo sft --config lightning_grpo/configs/calculator.yaml --sft.num_demonstrations 64 --sft.epochs 2
 
 From the GRPO config it reads what the warm start must share with the fit: `model.model` (the folder to write),
-`data.dataset` (the task the demonstrations are drawn from, with `data.dataset_options`), `data.tools` and
+`data.dataset` (the task the demonstrations are drawn from, with `data.dataset_options`), `data.tools`,
+`data.environment_factory` (each demonstration then plays against a fresh environment, reset with its row) and
 `data.max_tool_calling_iterations`; it ignores everything else there. Its own options are `--sft.*`
 (`WarmStartOptions`; `lightning-grpo sft --help` lists them). The demonstrations are drawn with their own seed
 (`sft.seed`, 20,000), so they are neither the fit's training problems (seed 0) nor its held-out ones (10,000 up).
@@ -47,12 +48,12 @@ class WarmStartOptions:
     base_model: str = "smollm2-135m-instruct"
     output_dir: str | None = None
     demonstration: str = "lightning_grpo.data.calculator.demonstration"
-    num_demonstrations: int = 256
+    num_demonstrations: int = 32
     seed: int = DEMONSTRATION_SEED
     learning_rate: float = 1e-4
-    batch_size: int = 8
+    batch_size: int = 4
     epochs: int = 1
-    warmup_steps: int = 4
+    warmup_steps: int = 2
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     dtype: str = "float32"
@@ -80,6 +81,7 @@ def warm_start(
     output_dir: str | Path,
     dataset_options: dict[str, Any] | None = None,
     max_tool_calling_iterations: int | None = 8,
+    environment_factory: str | Callable | None = None,
 ) -> dict[str, Any]:
     """Train `options.base_model` on `options.num_demonstrations` demonstrations of `dataset` and write it to
     `output_dir`; returns the summary also written there as `warm_start.json`.
@@ -93,9 +95,9 @@ def warm_start(
 
     from .._imports import resolve_callable
     from ..data.sources import load_prompts
-    from ..data.tooling import resolve_tools
+    from ..data.tooling import resolve_environment_factory, resolve_tools
     from ..models.loading import load_policy, load_tokenizer
-    from .demonstrations import collate, conversation_spec, render_demonstration
+    from .demonstrations import collate, render_rows
     from .module import WarmStartModule
 
     options.check()
@@ -103,9 +105,15 @@ def warm_start(
     demonstrate = resolve_callable(options.demonstration, "sft.demonstration")
     rows = load_prompts(dataset, size=options.num_demonstrations, seed=options.seed, dataset_options=dataset_options)
     tokenizer = load_tokenizer(options.base_model)
-    spec = conversation_spec(tokenizer, resolve_tools(tools), max_tool_calling_iterations)
     try:
-        demonstrations = [render_demonstration(spec, row["prompt"], demonstrate(row)) for row in rows]
+        demonstrations = render_rows(
+            tokenizer,
+            rows,
+            demonstrate,
+            tools=resolve_tools(tools),
+            environment_factory=resolve_environment_factory(environment_factory),
+            max_tool_calling_iterations=max_tool_calling_iterations,
+        )
     except KeyError as error:
         raise ValueError(
             f"`sft.demonstration={options.demonstration!r}` needs the column {error} that the rows of "
@@ -191,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             output_dir=output_dir,
             dataset_options=data.get("dataset_options"),
             max_tool_calling_iterations=data.get("max_tool_calling_iterations", 8),
+            environment_factory=data.get("environment_factory"),
         )
     except (ValueError, FileNotFoundError) as error:
         parser.error(f"{type(error).__name__}: {error}")

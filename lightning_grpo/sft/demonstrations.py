@@ -24,6 +24,7 @@ import torch
 from ..data.tooling import ConversationSpec
 from ..rollout.chat import ensure_tool_parser
 from ..rollout.conversation import Conversation
+from ..rollout.environments import prompt_of, tool_methods, with_observation
 from ..rollout.tool_calls import ToolCaller
 
 # No turn is long enough to drift (`_chain_to_sequences` forks a row past this many re-tokenized tokens).
@@ -47,6 +48,39 @@ def conversation_spec(tokenizer: Any, tools: Sequence[Callable], max_tool_callin
     return ConversationSpec(
         tokenizer=tokenizer, tools=tuple(tools), max_tool_calling_iterations=max_tool_calling_iterations
     )
+
+
+def render_rows(
+    tokenizer: Any,
+    rows: Any,
+    demonstrate: Callable[[dict[str, Any]], list[dict[str, Any]]],
+    *,
+    tools: Sequence[Callable] = (),
+    environment_factory: Callable[[], Any] | None = None,
+    max_tool_calling_iterations: int | None = 8,
+) -> list[DemonstrationRow]:
+    """Every row's demonstration (`demonstrate(row)`) as a training row.
+
+    With an `environment_factory`, each row plays against a fresh environment, reset with the row as a rollout's is
+    (its observation folded into the prompt), whose public methods are the row's tools beside `tools`.
+
+    Raises:
+        KeyError: `demonstrate` needs a column the rows do not have.
+        ValueError: see `render_demonstration`; an environment whose `reset` raises.
+    """
+    if environment_factory is None:
+        spec = conversation_spec(tokenizer, tools, max_tool_calling_iterations)
+        return [render_demonstration(spec, row["prompt"], demonstrate(row)) for row in rows]
+    ensure_tool_parser(tokenizer)
+    demonstrations = []
+    for row in rows:
+        environment = environment_factory()
+        observation = environment.reset(**row)
+        spec = conversation_spec(tokenizer, [*tools, *tool_methods(environment)], max_tool_calling_iterations)
+        demonstrations.append(
+            render_demonstration(spec, with_observation(prompt_of(row, environment), observation), demonstrate(row))
+        )
+    return demonstrations
 
 
 def render_demonstration(

@@ -26,6 +26,7 @@ _KEYS = (
     "tool_calls",
     "tool_failures",
     "loop_exhausted",
+    "turns",
 )
 
 
@@ -70,9 +71,11 @@ class ValidationTally:
         self._column_sums += np.where(present, columns, 0.0).sum(axis=1)
         self._column_counts += present.sum(axis=1)
 
-    def add_conversation(self, tool_calls: int, tool_failures: int, loop_exhausted: bool) -> None:
-        """One conversation's tool use."""
-        for key, value in (("conversations", 1), ("tool_calls", tool_calls), ("tool_failures", tool_failures)):
+    def add_conversation(self, tool_calls: int, tool_failures: int, loop_exhausted: bool, turns: int = 1) -> None:
+        """One conversation's tool use and its turns (the policy's generation calls)."""
+        for key, value in (
+            ("conversations", 1), ("tool_calls", tool_calls), ("tool_failures", tool_failures), ("turns", turns)
+        ):  # fmt: skip
             self._sums[key] += value
         self._sums["loop_exhausted"] += float(loop_exhausted)
 
@@ -87,7 +90,8 @@ class ValidationTally:
         over the completions it scored; `val/unscored_frac` is the fraction no column scored. `val/pass@k`: the
         fraction of prompts (with a scored completion) where one of the k completions passed; `val/mean@k`: the
         mean over those prompts of the fraction of their scored completions that passed. With `tools`, the tool
-        metrics of the training rollouts under `val/tools/`.
+        metrics of the training rollouts under `val/tools/`, and `val/turns_mean`, the policy's turns per
+        conversation (training's `rollout/turns_mean`).
         """
         values = (self.tensor() if totals is None else totals).double().tolist()
         sums = dict(zip(_KEYS, values, strict=False))
@@ -106,6 +110,7 @@ class ValidationTally:
             metrics["val/tools/call_frequency"] = _ratio(calls, sums["conversations"])
             metrics["val/tools/failure_frequency"] = _ratio(sums["tool_failures"], calls) if calls else 0.0
             metrics["val/tools/loop_exhausted_frac"] = _ratio(sums["loop_exhausted"], sums["conversations"])
+            metrics["val/turns_mean"] = _ratio(sums["turns"], sums["conversations"])
         return metrics
 
 

@@ -42,6 +42,7 @@ def validate_batch(module: Any, batch: list[dict[str, Any]], tally: ValidationTa
         top_k=contract.top_k,
         attention=attention,
         fixed_length=sharded,
+        stop=contract.stop,
     )
     rollouts = validation_rollouts(
         module.policy,
@@ -58,7 +59,9 @@ def validate_batch(module: Any, batch: list[dict[str, Any]], tally: ValidationTa
     for start in range(0, columns.shape[1], k):
         tally.add_prompt(columns[:, start : start + k])
     for conversation in rollouts.conversations:
-        tally.add_conversation(conversation.tool_calls, conversation.tool_failures, conversation.loop_exhausted)
+        tally.add_conversation(
+            conversation.tool_calls, conversation.tool_failures, conversation.loop_exhausted, len(conversation.turns)
+        )
 
 
 def log_tally(module: Any, tally: ValidationTally) -> None:
