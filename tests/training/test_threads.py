@@ -40,6 +40,19 @@ def test_a_number_is_used_as_given_and_none_leaves_torch_alone():
     assert trainer_threads_for(None, current=8, **SHARED_CPU) is None
 
 
+@pytest.mark.parametrize(("replicas", "trainer", "shares"), [(1, 7, True), (2, 6, False), (4, 4, False)])
+def test_auto_leaves_every_replica_its_cores_and_only_one_generator_shares_them(monkeypatch, replicas, trainer, shares):
+    """On 8 cores with one thread per replica. torch's thread setters are recorded, not applied: this process keeps
+    its own threads."""
+    set_to = []
+    monkeypatch.setattr(threads, "available_cores", lambda: 8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    fit = threads.FitThreads()
+    fit.apply(GRPODataModule(model="tiny-random", generator_replicas=replicas).hparams, on_cpu=True, world_size=1)
+    assert (set_to, fit.core_sharing is not None) == ([trainer], shares)
+
+
 @pytest.mark.parametrize("bad", [0, -1, "all", 1.5])
 def test_a_bad_value_is_named_at_construction(bad):
     with pytest.raises(ValueError, match=f"trainer_threads={bad!r}"):
