@@ -91,9 +91,23 @@ def package_version() -> str:
 
 
 def closest(word: str, choices: list[str]) -> str | None:
-    """The choice most like `word` (a typo's likely meaning), or None when none is close."""
-    matches = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    return matches[0] if matches else None
+    """The choice most like `word` (a typo's likely meaning), or None when none is close: of the choices difflib
+    finds close, the fewest typing mistakes away (`fti` is `fit`, not `sft`)."""
+    matches = difflib.get_close_matches(word, choices, n=5, cutoff=0.6)
+    return min(matches, key=lambda match: _typing_distance(word, match)) if matches else None
+
+
+def _typing_distance(a: str, b: str) -> int:
+    """Letters added, dropped, changed or swapped with a neighbour to turn `a` into `b` (optimal string alignment)."""
+    previous, current = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        before, previous, current = previous, current, [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                current[j] = min(current[j], before[j - 2] + 1)
+    return current[len(b)]
 
 
 def suggestion(message: str, options: list[str]) -> str:
@@ -117,16 +131,16 @@ def suggestion(message: str, options: list[str]) -> str:
     return ""
 
 
-class _TopLevelParser(argparse.ArgumentParser):
-    """`lightning-grpo` before a subcommand: its help, its version, and a typo answered with the closest name."""
+class SuggestingParser(argparse.ArgumentParser):
+    """An argparse parser whose errors name the closest valid subcommand, option or choice (exit code 2)."""
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}{suggestion(message, [])}\n")
+        self.exit(2, f"{self.prog}: error: {message}{suggestion(message, list(self._option_string_actions))}\n")
 
 
 def _top_level_parser() -> argparse.ArgumentParser:
-    parser = _TopLevelParser(prog="lightning-grpo", description=DESCRIPTION, epilog=_EPILOG)
+    parser = SuggestingParser(prog="lightning-grpo", description=DESCRIPTION, epilog=_EPILOG)
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     names = "{" + ",".join(SUBCOMMANDS) + "}"
     subcommands = parser.add_subparsers(title="subcommands", dest="subcommand", metavar=names, required=True)

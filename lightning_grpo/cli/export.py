@@ -12,7 +12,6 @@ and a full fine-tuning checkpoint's, with `AutoModelForCausalLM.from_pretrained(
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from ..training.policy import CHECKPOINT_KEY, apply_peft, missing_trainable_keys, peft_config_from_dict
+from .app import SuggestingParser
 
 _PREFIX = "policy."
 
@@ -92,7 +92,7 @@ def _read_checkpoint(path: Path) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`lightning-grpo export CHECKPOINT OUTPUT [--merged] [--model NAME]`."""
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="lightning-grpo export",
         description="Write a GRPOModule checkpoint's trained policy as a Hugging Face folder (a LoRA adapter, or "
         "with --merged a plain transformers model).",

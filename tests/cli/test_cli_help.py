@@ -97,12 +97,14 @@ def test_export_and_vllm_serve_help_describe_every_option(capsys):
     ("args", "hint"),
     [
         (["fitt"], "Did you mean 'fit'?"),
+        (["fti"], "Did you mean 'fit'?"),  # a swap is one mistake: 'sft' is as similar to difflib
         (["vllm_serve"], "Did you mean 'vllm-serve'?"),
+        (["export", "a.ckpt", "out", "--mergd"], "Did you mean --merged?"),
         (["fit", "--config", SMOKE, "--model.learnin_rate", "1"], "Did you mean --model.learning_rate?"),
         (["fit", "--config", SMOKE, "--data.prompt_format", "chatt"], "Did you mean 'chat'?"),
         (["--print_confg", "fit", "--config", SMOKE], "Did you mean --print_config?"),
     ],
-    ids=["subcommand", "subcommand_dash", "option", "choice", "top_level_option"],
+    ids=["subcommand", "subcommand_swap", "subcommand_dash", "export_option", "option", "choice", "top_level_option"],
 )
 @pytest.mark.timeout(120)
 def test_a_typo_exits_2_naming_the_closest(args, hint, capsys, in_process):
