@@ -22,6 +22,7 @@ import pytest
 import yaml
 from helpers.processes import describe, session_processes
 
+pytestmark = pytest.mark.slow  # four 2-node jobs of real processes: about three minutes
 TESTS = Path(__file__).resolve().parents[1]
 PROMPTS = 8  # 2 groups per step (one row of one group on each of the 2 ranks): 4 steps
 
