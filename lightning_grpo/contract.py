@@ -44,6 +44,7 @@ class RolloutContract:
             groups are scored with it).
         conversation: how prompts become conversations (prompt format, tools, environments), which validation runs
             the same way; None: single-turn chat prompts without tools.
+        stop: the generator's stop strings; validation's turns end at them too.
     """
 
     tokenizer: Any
@@ -59,6 +60,7 @@ class RolloutContract:
     advantage_estimator: str = "grpo"
     min_p: float | None = None
     conversation: ConversationSpec | None = None
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.reward_weights) != len(self.reward_names):

@@ -77,8 +77,9 @@ class GRPODataModule(pl.LightningDataModule):
             `dataset` and `val_dataset`: `"gsm8k"` (`question`, `answer` ending in `#### 72`), `"math"` (`problem`,
             `solution` with `\\boxed{}`, `answer` if present) or `"prompt_answer"`; a row without an extractable
             answer is an error naming it. None: columns as they are. See `lightning_grpo.data.formats`.
-        dataset_options: the preset's column names and instruction (`{"question_key": "query"}`), or the reasoning-gym
-            task's generator options (`{"min_numbers": 3}`) and `system_prompt`.
+        dataset_options: the preset's column names and instruction (`{"question_key": "query"}`), the reasoning-gym
+            task's generator options (`{"min_numbers": 3}`) and `system_prompt`, or the arithmetic task's raw-text
+            `template` (`{"template": "User: {question}\\nAssistant:"}`, for a base model).
         prompt_format: how a string `prompt` is used: `"auto"` (one user message when the tokenizer has a chat
             template, else raw text), `"chat"` (always one user message) or `"text"` (always raw text, TRL's
             standard format: no template, and completions reach the rewards as strings). Chat messages always use
@@ -121,7 +122,7 @@ class GRPODataModule(pl.LightningDataModule):
         repetition_penalty: > 0 (TRL's `repetition_penalty`); above 1 discourages tokens already in the prompt or
             the completion, as vLLM applies it; 1 is off.
         stop: strings that end a completion as an EOS does (vLLM's `stop`): the completion keeps the token that
-            completed the string, is not truncated, and its text contains it.
+            completed the string, is not truncated, and its text contains it. Validation's turns stop at them too.
         epochs: passes over the prompts (a resume may raise it); the run ends after `epochs * len(dataset)` groups.
         seed: shuffles each epoch's prompt order.
         max_staleness: how many policy versions a group may lag when it trains; generation is paced to stay within

@@ -115,7 +115,7 @@ def check_dataset_options(
     Nothing is loaded or generated (reasoning-gym's config classes only)."""
     from .formats import format_option_problems
     from .reasoning_gym import is_reasoning_gym, option_problems
-    from .sources import is_generated
+    from .sources import arithmetic_option_problems, is_generated
 
     sources = [source for source in (dataset, val_dataset) if source is not None]
     gyms = [source for source in sources if is_reasoning_gym(source)]
@@ -129,6 +129,8 @@ def check_dataset_options(
             )
         elif not gyms:
             problems += format_option_problems(dataset_format, dataset_options or {})
+    elif dataset_options and "arithmetic" in sources and not gyms:
+        problems += arithmetic_option_problems(dataset_options)
     elif dataset_options and "number_guess" in sources and not gyms:
         from ..environments.number_guess import option_problems as number_guess_option_problems
 

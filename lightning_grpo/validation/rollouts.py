@@ -18,10 +18,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import StoppingCriteria
 
 from ..data.tooling import ConversationSpec
 from ..rollout.conversation import Conversation
 from ..rollout.environments import prompt_of, tool_methods, with_observation
+from ..rollout.stop_strings import StopStrings
 from ..rollout.tool_calls import ToolCaller
 
 
@@ -37,6 +39,7 @@ class Sampling:
         attention: the attention implementation for a padded batch (the policy's loaded one, not tree attention).
         fixed_length: run all `max_tokens` forwards of every turn, and the same number of turns on every rank
             (`sync_active`); needed where the policy's forward is a collective (a sharded policy).
+        stop: stop strings: a turn ends at the first token whose text completes one, as in training.
     """
 
     max_tokens: int
@@ -45,6 +48,7 @@ class Sampling:
     top_k: int = 0
     attention: str = "sdpa"
     fixed_length: bool = False
+    stop: tuple[str, ...] = ()
 
 
 @dataclass
@@ -129,6 +133,7 @@ class _Turns:
 
     def __init__(self, policy, sampling: Sampling, eos_token_ids, tokenizer, sync_active) -> None:
         self.policy, self.sampling, self.eos, self.sync_active = policy, sampling, eos_token_ids, sync_active
+        self.tokenizer = tokenizer
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def run(self, conversations: list[Conversation], tools: list[dict[str, Callable]], caller: ToolCaller) -> None:
@@ -136,7 +141,12 @@ class _Turns:
             prompts = [conversations[i].prompt_ids() for i in active]
             # a rank with nothing left still generates (one pad token) while another rank has conversations
             outputs = generate(
-                self.policy, prompts or [[self.pad]], self.sampling, eos_token_ids=self.eos, pad_token_id=self.pad
+                self.policy,
+                prompts or [[self.pad]],
+                self.sampling,
+                eos_token_ids=self.eos,
+                pad_token_id=self.pad,
+                tokenizer=self.tokenizer,
             )
             pending = []
             for i, prompt_ids, ids in zip(active, prompts, outputs, strict=False):
@@ -160,12 +170,15 @@ def generate(
     *,
     eos_token_ids: list[int],
     pad_token_id: int,
+    tokenizer: Any = None,
 ) -> list[list[int]]:
-    """One turn for each prompt from a left-padded batched `generate`: its ids, up to and including the first EOS."""
+    """One turn for each prompt from a left-padded batched `generate`: its ids, up to and including the first EOS
+    or the token that completed one of `sampling.stop` (decoded with `tokenizer`)."""
     device = next(policy.parameters()).device
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    stops = StopStrings(sampling.stop, tokenizer) if sampling.stop else None
     sample = sampling.temperature > 0
     options = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k) if sample else {}
     out = policy.generate(
@@ -175,9 +188,12 @@ def generate(
         do_sample=sample,
         pad_token_id=pad_token_id,
         eos_token_id=None if sampling.fixed_length else eos_token_ids,
+        # not transformers' `stop_strings`, which also match text that began in the prompt
+        stopping_criteria=[_StopStringCriteria(stops, width)] if stops and not sampling.fixed_length else None,
         **options,
     )
-    return [_cut_at(row.tolist(), eos_token_ids) for row in out[:, width:]]
+    turns = [_cut_at(row.tolist(), eos_token_ids) for row in out[:, width:]]
+    return [_cut_at_stop(ids, stops) for ids in turns] if stops else turns
 
 
 def reward_columns(
@@ -214,6 +230,25 @@ def _run(coroutine: Coroutine) -> Any:
     """Run `coroutine` to completion on a fresh event loop in a helper thread (a notebook's loop may be running)."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo-validation") as pool:
         return pool.submit(asyncio.run, coroutine).result()
+
+
+class _StopStringCriteria(StoppingCriteria):
+    """Ends each row of a `generate` once its completion (the ids after `width`) holds a stop string."""
+
+    def __init__(self, stops: StopStrings, width: int) -> None:
+        self.stops, self.width = stops, width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        found = [self.stops.found(row[self.width :].tolist()) is not None for row in input_ids]
+        return torch.tensor(found, dtype=torch.bool, device=input_ids.device)
+
+
+def _cut_at_stop(ids: list[int], stops: StopStrings) -> list[int]:
+    """`ids` up to and including the token whose text completed a stop string (the embedded generator's rule)."""
+    for end in range(1, len(ids) + 1):
+        if stops.found(ids[:end]) is not None:
+            return ids[:end]
+    return ids
 
 
 def _cut_at(ids: list[int], eos_token_ids: list[int]) -> list[int]:

@@ -31,6 +31,35 @@ def test_load_builtin_by_name_with_size():
     assert len(load_prompts("arithmetic", size=12)) == 12
 
 
+def test_an_arithmetic_template_gives_raw_text_prompts_of_the_same_problems():
+    """For a base model: `dataset_options={"template": ...}` puts each question into the text (braces of its own,
+    such as `\\boxed{}`, stay as they are); the problems and answers are those of the default prompts."""
+    template = "Solve it, answer in \\boxed{}.\nUser: {question}\nAssistant:"
+    plain = arithmetic_dataset(6, seed=2)
+    templated = load_prompts("arithmetic", size=6, seed=2, dataset_options={"template": template})
+    assert templated["answer"] == plain["answer"]
+    for row, original in zip(templated, plain, strict=True):
+        question = original["prompt"][0]["content"].split("? ")[0] + "?"
+        assert row["prompt"] == template.replace("{question}", question)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"template": "no field"}, r"dataset_options\['template'\]='no field' \(a string with \{question\}"),
+        ({"templat": "{question}"}, r"keys \['templat'\] are not options of dataset='arithmetic'"),
+    ],
+)
+def test_bad_arithmetic_options_are_refused_naming_them(options, message):
+    from lightning_grpo import GRPODataModule
+
+    with pytest.raises(ValueError, match=message):
+        GRPODataModule(model="tiny-random", dataset="arithmetic", dataset_options=options)
+    if "template" in options:
+        with pytest.raises(ValueError, match=message):
+            arithmetic_dataset(3, template=options["template"])
+
+
 def test_load_jsonl_and_parquet(tmp_path):
     rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)} for i in range(5)]
     jsonl = tmp_path / "p.jsonl"

@@ -153,3 +153,27 @@ def test_fixed_length_validation_runs_every_forward_of_every_turn_on_every_rank(
     )
     assert len(forwards) == 3 * 5 and other_rank == []  # 3 turns (1 real, 2 to keep step), 5 forwards each
     assert batch.conversations[0].done and len(batch.conversations[0].turns) == 1
+
+
+@pytest.mark.parametrize("fixed_length", [False, True], ids=["eos-or-stop", "fixed-length"])
+def test_a_validation_turn_ends_at_a_stop_string_as_a_training_rollout_does(fixed_length):
+    """`Sampling(stop=...)` (the data module's `stop`): the turn keeps the token that completed the string and nothing
+    after it, and text that began in the prompt ("=" then "=") never matches; a fixed-length turn (a sharded policy)
+    runs on, but is cut the same way."""
+    from lightning_grpo.data.tooling import ConversationSpec
+    from lightning_grpo.models import tiny_llama
+    from lightning_grpo.validation.rollouts import Sampling, validation_rollouts
+
+    policy, tokenizer = tiny_llama(seed=0), char_tokenizer()
+    rows = [{"prompt": "12+3="}]
+    spec = ConversationSpec(tokenizer=tokenizer, prompt_format="text")
+
+    def completion(**options) -> str:
+        batch = validation_rollouts(policy, rows, spec, Sampling(max_tokens=16, **options), eos_token_ids=[-1])
+        return batch.completions[0]
+
+    free = completion()
+    assert len(free) == 16
+    stop = free[5:7]
+    expected = free[: free.index(stop) + len(stop)]
+    assert completion(stop=(stop, "never"), fixed_length=fixed_length) == expected
