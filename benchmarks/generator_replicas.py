@@ -2,21 +2,21 @@
 
 Real `Trainer.fit`s alternate between `generator_replicas=1` (the generator on a thread of the rollout child, with
 core sharing) and `generator_replicas=2` (two replica processes, each pinned to a core of its own), both with
-`generator_threads=1` and `trainer_threads="auto"`, over the same prompts, rewards and settings (one pass;
-arithmetic prompts, `--completions` per group, up to `--max-tokens` each, `max_staleness=2`), for each `--models`
-entry. Reported per fit (median over `--repeats`): prompt groups consumed per second after the first optimizer step
+`generator_threads=1` and `trainer_threads="auto"` (`--configs` can add the single generator without core sharing),
+over the same prompts, rewards and settings (one pass; arithmetic prompts, `--completions` per group, up to
+`--max-tokens` each, `max_staleness=2`), for each `--models` entry. Reported per fit (median over `--repeats`): prompt groups consumed per second after the first optimizer step
 (without the start-up, which a longer run amortises; replicas pay for their own import and model load there), the
 trainer's idle fraction (its wait for rollouts over the same span), groups per CPU-second over the same span (the
 CPU time of the trainer, the rollout child and the replicas: on a machine shared with other work, more busy processes
 take a larger share of it, which groups per second alone would count as speed), and how the trained groups split
-over the replicas (`extras["generator_replica"]`); then the ratios 2 replicas / 1.
+over the replicas (`extras["generator_replica"]`); then each configuration's ratios to 1 replica.
 
 Read the figures with the machine in mind: on a 2-core machine the two one-core replicas and the trainer's one
 thread oversubscribe the CPU (three busy threads on two cores, and the single generator's core sharing is gone), so
 the run shows the bookkeeping (groups split over both replicas, every group consumed once) and what a second replica
 costs where the CPU is the limit, not what it buys on a many-core box where each replica has cores of its own.
 
-Usage: `python benchmarks/generator_replicas.py [--models tiny smollm2] [--prompts 24] [--repeats 1]`.
+Usage: `python benchmarks/generator_replicas.py [--models tiny smollm2] [--prompts 24] [--repeats 1] [--configs ...]`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
 import lightning.pytorch as pl  # noqa: E402
@@ -41,7 +42,13 @@ from lightning_grpo.rollout import start_method  # noqa: E402
 from lightning_grpo.rollout.records import GENERATOR_REPLICA  # noqa: E402
 
 MODELS = common.MODELS
-CONFIGS = {"1 replica": 1, "2 replicas": 2}
+#: What each configuration changes; "1 replica, trainer_threads=1" is the single generator without core sharing, which
+#: tells the gain of a process of its own from that of not lending cores.
+CONFIGS = {
+    "1 replica": {"generator_replicas": 1},
+    "2 replicas": {"generator_replicas": 2},
+    "1 replica, trainer_threads=1": {"generator_replicas": 1, "trainer_threads": 1},
+}
 
 
 class ReplicaSplit(pl.Callback):
@@ -76,7 +83,7 @@ def _cpu_seconds(child_pid: int) -> float:
     return total
 
 
-def run_fit(model: str, replicas: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
+def run_fit(model: str, config: dict[str, Any], args: argparse.Namespace, out: Path) -> dict[str, float]:
     datamodule = GRPODataModule(
         model=MODELS[model],
         dataset="arithmetic",
@@ -88,7 +95,7 @@ def run_fit(model: str, replicas: int, args: argparse.Namespace, out: Path) -> d
         samples_per_row=args.completions,
         max_staleness=2,
         generator_threads=1,
-        generator_replicas=replicas,
+        **config,
     )
     module = GRPOModule(MODELS[model], learning_rate=2e-5)
     clock, split = StepClock(), ReplicaSplit()
@@ -110,6 +117,7 @@ def main() -> None:
     parser.add_argument("--completions", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["1 replica", "2 replicas"])
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
     print(
@@ -121,16 +129,16 @@ def main() -> None:
     start_method.warm_up()
     order = []
     for repeat in range(args.repeats):
-        order += list(CONFIGS) if repeat % 2 == 0 else list(reversed(CONFIGS))
+        order += args.configs if repeat % 2 == 0 else list(reversed(args.configs))
     print(
         "\n| model | replicas | groups/s after step 1 | groups per CPU-second | trainer idle fraction "
         "| groups replica 0 / 1 | consumed |"
     )
     print("|---|---|---|---|---|---|---|")
-    ratios = {}
+    ratios = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
-            results: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
+            results: dict[str, list[dict[str, float]]] = {name: [] for name in args.configs}
             for i, name in enumerate(order):
                 results[name].append(run_fit(model, CONFIGS[name], args, Path(tmp) / f"{model}-{i}"))
             median = {
@@ -142,18 +150,16 @@ def main() -> None:
                     f"{m['replica_0_groups']:.0f} / {m['replica_1_groups']:.0f} | {m['consumed']:.0f} |",
                     flush=True,
                 )
-            one, two = median["1 replica"], median["2 replicas"]
-            ratios[model] = (
-                two["groups_per_s"] / one["groups_per_s"],
-                two["groups_per_cpu_s"] / one["groups_per_cpu_s"],
-                two["idle_frac"],
-                one["idle_frac"],
-            )
-    for model, (ratio, per_cpu, idle_two, idle_one) in ratios.items():
-        print(
-            f"{model}: 2 replicas {ratio:.2f}x the groups per second of 1 ({per_cpu:.2f}x per CPU-second); trainer "
-            f"idle {idle_two:.2f} vs {idle_one:.2f} ({cores} cores shared by the replicas and the trainer)"
-        )
+            base = median.get("1 replica")
+            for name, m in median.items():
+                if base is not None and name != "1 replica":
+                    ratios.append(
+                        f"{model}, {name}: {m['groups_per_s'] / base['groups_per_s']:.2f}x the groups per second of "
+                        f"1 replica ({m['groups_per_cpu_s'] / base['groups_per_cpu_s']:.2f}x per CPU-second); "
+                        f"trainer idle {m['idle_frac']:.2f} vs {base['idle_frac']:.2f}"
+                    )
+    for line in ratios:
+        print(f"{line} ({cores} cores shared by the generators and the trainer)")
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
