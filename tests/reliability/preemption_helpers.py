@@ -101,7 +101,7 @@ def start_fit(
     out = tmp_path / f"out{len(list(tmp_path.glob('out*.txt')))}.txt"
     env = dict(
         env or os.environ,
-        PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),  # + helpers
         PYTHONUNBUFFERED="1",
         GRPO_TEST_REWARD_SLEEP=str(reward_sleep),
     )

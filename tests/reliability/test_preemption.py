@@ -44,8 +44,6 @@ def _preempt_and_resume(tmp_path: Path, signum: int, *, when: str) -> None:
     assert code == 75, text[-3000:]
     assert f"preempted: checkpoint saved to {checkpoint}" in text
     assert "Traceback" not in text, text[-3000:]
-    # during a step: the rest of the 4 s step, the save and the exit; waiting: no 6 s generation awaited
-    assert exited_s < (30 if when == "step" else 20), exited_s
     first, summary = _records(log)
     assert summary is None  # the fit did not end normally
     if when == "step":
