@@ -6,7 +6,8 @@
 
 1. Baseline: the config's held-out validation of the base model (`sft.base_model`); with `--baseline_without_tools`,
    with the config's tools taken away (the base model's own chat template: what it does without a tool).
-2. Warm start: `lightning-grpo sft --config <config>` with the `--sft.*` arguments, writing the config's `model.model`.
+2. Warm start: `lightning-grpo sft --config <config>` with the `--sft.*` arguments, writing the config's `model.model`
+   (with `--reuse_warm_start`, skipped when that folder already holds one: to run GRPO again from it).
 3. GRPO: the main job (`lightning_grpo.cli.main_job`) from the warm start, validating before and after.
 
 Every other argument goes to steps 1 and 3 (`lightning-grpo fit` arguments). It ends with one table: the held-out
@@ -42,7 +43,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.monotonic()
     baseline = _baseline(own, sft_args, fit_args)
     output_dir = _option(fit_args, "--model.model", None)  # a folder other than the config's, on the command line
-    _warm_start(own.config, sft_args if output_dir is None else [*sft_args, "--sft.output_dir", output_dir])
+    sft_args = sft_args if output_dir is None else [*sft_args, "--sft.output_dir", output_dir]
+    if own.reuse_warm_start and _warm_start_done(own.config, output_dir):
+        print(f"warm start: reusing {output_dir or 'model.model of the config'} (--reuse_warm_start)", flush=True)
+    else:
+        _warm_start(own.config, sft_args)
     from .main_job import main as main_job
 
     summary = main_job(["--config", own.config, *fit_args], held_out=own.held_out)
@@ -73,6 +78,9 @@ def split_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str], lis
     parser.add_argument("--held_out", default=ACCURACY, help="the held-out score shown (a `val/*` metric)")
     parser.add_argument("--baseline_without_tools", action="store_true", help="validate the base model without tools")
     parser.add_argument("--steps", type=int, default=4, help="training steps averaged at the start and at the end")
+    parser.add_argument(
+        "--reuse_warm_start", action="store_true", help="skip the warm start when its folder is already written"
+    )
     own, rest = parser.parse_known_args(argv)
     sft, fit = [], []
     i = 0
@@ -114,6 +122,15 @@ def _warm_start(config: str, sft_args: list[str]) -> None:
     code = sft(["--config", config, *sft_args])
     if code:
         raise SystemExit(code)
+
+
+def _warm_start_done(config: str, output_dir: str | None) -> bool:
+    """Whether the warm start's folder (`output_dir`, else the config's `model.model`) holds a finished warm start."""
+    if output_dir is None:
+        import yaml
+
+        output_dir = (yaml.safe_load(Path(config).read_text()).get("model") or {}).get("model")
+    return output_dir is not None and (Path(output_dir) / "warm_start.json").exists()
 
 
 def _option(args: list[str], name: str, default: str | None) -> str | None:

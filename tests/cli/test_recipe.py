@@ -16,7 +16,12 @@ def test_sft_arguments_go_to_the_warm_start_and_the_rest_to_the_fit():
     own, sft, fit = split_arguments(
         ["--config", "c.yaml", "--sft.epochs", "2", "--trainer.max_steps", "3", "--sft.seed=5", "--held_out", "val/x"]
     )
-    assert (own.config, own.held_out, own.baseline_without_tools) == ("c.yaml", "val/x", False)
+    assert (own.config, own.held_out, own.baseline_without_tools, own.reuse_warm_start) == (
+        "c.yaml",
+        "val/x",
+        False,
+        False,
+    )
     assert sft == ["--sft.epochs", "2", "--sft.seed=5"] and fit == ["--trainer.max_steps", "3"]
     with pytest.raises(SystemExit):
         split_arguments(["--sft.epochs", "2"])  # no --config
@@ -77,3 +82,14 @@ def test_the_number_guess_recipe_runs_end_to_end_on_the_tiny_model(tmp_path, cap
     recipe = next(tmp_path.glob("number_guess/version_*/recipe.json"))
     assert json.loads(recipe.read_text())["models"]["after GRPO"] == result["models"]["after GRPO"]
     assert not live_children()
+
+
+def test_reuse_warm_start_finds_a_finished_warm_start_in_the_configs_folder_or_the_given_one(tmp_path):
+    from lightning_grpo.cli.recipe import _warm_start_done
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model:\n  model: {tmp_path / 'warm'}\n")
+    assert not _warm_start_done(str(config), None)
+    (tmp_path / "warm").mkdir()
+    (tmp_path / "warm" / "warm_start.json").write_text("{}")
+    assert _warm_start_done(str(config), None) and not _warm_start_done(str(config), str(tmp_path / "other"))
