@@ -67,14 +67,15 @@ def main() -> None:
         vllm_generation.check_available()
         backends |= vllm_generation.BACKENDS
         generation.CPU_CLOCKS.update(vllm_generation.CPU_CLOCKS)
-    load = argparse.Namespace(
-        models=names, groups=args.groups, group_size=8, concurrency=32, max_tokens=64, reps=args.reps
-    )
-    try:
-        generation.bench_generation(load, backends)
-    finally:
-        if args.vllm:
-            vllm_generation.stop_servers()
+    for name in names:  # one model (and its server) in memory at a time
+        load = argparse.Namespace(
+            models=[name], groups=args.groups, group_size=8, concurrency=32, max_tokens=64, reps=args.reps
+        )
+        try:
+            generation.bench_generation(load, backends)
+        finally:
+            if args.vllm:
+                vllm_generation.stop_servers()
     torch.set_num_threads(args.train_threads)
     print(
         f"\nTraining: seconds per optimizer step, {args.train_groups} groups of 8, fp32, {args.train_threads} threads"

@@ -133,5 +133,5 @@ def check_available() -> None:
 
 
 def stop_servers() -> None:
-    for server in _SERVERS.values():
-        server.stop()
+    while _SERVERS:
+        _SERVERS.popitem()[1].stop()
