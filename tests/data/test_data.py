@@ -116,3 +116,22 @@ def test_a_dataset_without_a_column_a_reward_needs_names_both():
     ):
         check_reward_columns(prompts, [accuracy], source="my data")
     check_reward_columns(prompts.rename_column("solution", "answer"), [accuracy], source="my data")
+
+
+def test_templated_held_out_prompts_and_the_stop_strings_reach_validation():
+    """The held-out prompts of a templated arithmetic task use the template too, and the contract the module
+    validates with carries the data module's `stop`."""
+    from lightning_grpo import GRPODataModule
+
+    datamodule = GRPODataModule(
+        model="tiny-random",
+        dataset="arithmetic",
+        dataset_size=4,
+        val_size=2,
+        prompt_format="text",
+        dataset_options={"template": "Q: {question}\nA:"},
+        stop=["</answer>"],
+    )
+    datamodule.check_data()
+    assert all(row["prompt"].startswith("Q: What is ") for row in datamodule.val_prompts)
+    assert datamodule.rollout_contract().stop == ("</answer>",)
