@@ -8,8 +8,9 @@ the trainer (this process) and of the rollout process, the processes of the run 
 the /dev/shm segments they map or hold open (and, for reference, all of /dev/shm: other users' count there too).
 
 It prints each series at a few evenly spaced steps, and a verdict per series: the growth over the second half of
-the run (the least-squares line through its samples, slope times span), flat when that is within a tolerance (5%
-of the level for memory, one for counts). Then the fault counters the run logged against the faults it was given:
+the run (the least-squares line through its samples, slope times span), flat when it grows by no more than a
+tolerance (5% of the level for memory, one for counts; a decline, such as memory the kernel reclaims from a busy
+machine, is flat). Then the fault counters the run logged against the faults it was given:
 every raise must be one `reward_pool/errors_total`, every hang one `reward_pool/timeouts_total`. The figures and
 the verdicts also go to `--out/soak.json`.
 
@@ -157,7 +158,8 @@ def fit(args: argparse.Namespace) -> tuple[list[dict[str, float]], dict[str, flo
 
 
 def verdict(rows: list[dict[str, float]], name: str) -> dict[str, Any]:
-    """The least-squares growth of one series over the second half of the run (by step), and whether it is flat."""
+    """The least-squares growth of one series over the second half of the run (by step), and whether it is flat (no
+    growth past the tolerance; a decline is flat)."""
     last_step = max(row["step"] for row in rows)
     late = [(row["step"], row[name]) for row in rows if row["step"] >= last_step / 2 and not math.isnan(row[name])]
     if len(late) < 3 or late[-1][0] == late[0][0]:
@@ -169,7 +171,7 @@ def verdict(rows: list[dict[str, float]], name: str) -> dict[str, Any]:
     tolerance = 0.05 * level if name.endswith("_mb") else 1.0
     return {
         "series": name, "samples": len(late), "level": level, "growth": growth,
-        "per_1000_steps": float(slope * 1000), "tolerance": tolerance, "flat": abs(growth) <= tolerance,
+        "per_1000_steps": float(slope * 1000), "tolerance": tolerance, "flat": growth <= tolerance,
     }  # fmt: skip
 
 
