@@ -27,7 +27,7 @@ def test_soak_samples_every_series_judges_each_and_counts_every_injected_fault(t
     code, output = run_in_session(command, log=tmp_path / "log.txt", timeout=280, cwd=ROOT)
     assert code == 0, output[-3000:]
     result = json.loads((tmp_path / "soak.json").read_text())
-    assert result["steps"] == 4  # one epoch of 8 prompts, two groups a step
+    assert 1 <= result["steps"] <= 4  # one epoch of 8 prompts, two groups a step; a group without signal is dropped
     assert [v["series"] for v in result["verdicts"]] == SERIES
     assert any(not math.isnan(row["rollout_rss_mb"]) and row["processes"] >= 2 for row in result["samples"])
     faults = result["faults"]
