@@ -183,7 +183,7 @@ def test_tools_by_import_path_and_environment_columns_reach_the_contract():
     datamodule = GRPODataModule(
         model="tiny-random",
         dataset=Dataset.from_dict({"prompt": [PROMPT], "answer": ["7"]}),
-        tools=["tool_policy.lookup"],
+        tools=["helpers.tool_policy.lookup"],
         environment_factory="helpers.tool_policy:LookupEnv",
         reward_weights=[1.0, 2.0],
     )
