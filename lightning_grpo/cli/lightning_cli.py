@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from ..datamodule import GRPODataModule
 from ..module import GRPOModule
+from ..serving.server_checks import check_vllm_servers
 from .app import DESCRIPTION, suggestion
 
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -116,8 +117,18 @@ class GRPOLightningCLI(LightningCLI):
                 from .resume import check_resume
 
                 check_resume(self.config[self.subcommand].get("ckpt_path"), self.datamodule, world_size)
+                self._check_servers()
         except _CONFIG_ERRORS as error:
             self.parser.error(f"{type(error).__name__}: {error}", ex=error)
+
+    def _check_servers(self) -> None:
+        # The data module checks its vLLM servers at set-up too, inside `Trainer.fit`, where a failure is a traceback;
+        # here, before the fit, a server that is not there is one line (exit 2) like any other bad value.
+        if self.trainer.is_global_zero:
+            try:
+                check_vllm_servers(self.datamodule.hparams, self.datamodule.model_name)
+            except RuntimeError as error:
+                raise ValueError(str(error)) from error
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The trainer, with `GRPOProgressBar` unless the config has a progress bar or turns it off."""

@@ -1,5 +1,6 @@
-"""Bad configuration of the newer features (tools, environments, LoRA, the loss family, group and completion sizes)
-ends `lightning-grpo fit` with exit code 2 and one line naming the value and the fix, before any process starts.
+"""Bad configuration of the newer features (tools, environments, LoRA, the loss family, group and completion sizes, a
+vLLM server that is not there) ends `lightning-grpo fit` with exit code 2 and one line naming the value and the fix,
+before any process starts.
 
 The command runs in this process (`in_process`); `bad_features` holds the tools and factories it is given.
 """
@@ -51,6 +52,11 @@ CASES = {
     ),
     "num_generations": (["--data.num_generations=1"], "num_generations=1", "at least 2 completions"),
     "max_completion_length": (["--data.max_completion_length=0"], "max_completion_length=0", "at least 1"),
+    "vllm_server_unreachable": (
+        ["--data.generator=vllm", "--data.vllm_server_url=http://127.0.0.1:9", "--data.vllm_server_timeout=1"],
+        "no vLLM server answered http://127.0.0.1:9/health",
+        "lightning-grpo vllm-serve",
+    ),
 }
 
 
