@@ -62,16 +62,19 @@ def _preempt_and_resume(tmp_path: Path, signum: int, *, when: str) -> None:
     assert summary["groups_consumed"] == GROUPS
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigterm_while_waiting_for_rollouts_exits_75_and_resume_trains_each_group_once(tmp_path):
     _preempt_and_resume(tmp_path, signal.SIGTERM, when="waiting")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigusr1_during_a_step_finishes_it_exits_75_and_resume_trains_each_group_once(tmp_path):
     _preempt_and_resume(tmp_path, signal.SIGUSR1, when="step")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_slurm_auto_requeue_saves_lightnings_hpc_checkpoint_requeues_and_resumes_by_itself(tmp_path):
     """Under SLURM (faked: its variables, and an `scontrol` that records its arguments), SIGUSR1 saves where

@@ -102,6 +102,7 @@ def test_a_replica_that_goes_silent_fails_every_later_request_naming_it(no_leake
         replicas.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_each_group_is_sampled_on_one_replica_by_the_weights_its_version_names(tokenizer, no_leaked_processes):
     """Pacing admits two groups per version (`max_staleness=0`); the test publishes a new version before it lets
@@ -183,6 +184,7 @@ def fit_parts(tmp_path, callbacks, **options):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="each replica is pinned to a core of its own")
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_fit_with_two_replicas_trains_every_group_once_each_from_one_replica(tmp_path, no_leaked_processes):
     recorder = _StepSamples()
@@ -202,6 +204,7 @@ def test_a_fit_with_two_replicas_trains_every_group_once_each_from_one_replica(t
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="each replica is pinned to a core of its own")
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_replica_killed_mid_fit_fails_it_naming_the_replica(tmp_path, no_leaked_processes):
     killed = _KillReplica(1)
