@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -101,15 +103,17 @@ def _baseline(own: argparse.Namespace, sft_args: list[str], fit_args: list[str])
     from .app import cli
 
     base = _option(sft_args, "--sft.base_model", WarmStartOptions.base_model)
-    overrides = ["--model.model", base, "--trainer.logger", "false"]
+    scratch = tempfile.mkdtemp(prefix="lightning-grpo-baseline-")  # LightningCLI's config.yaml, not in the cwd
+    overrides = ["--model.model", base, "--trainer.logger", "false", "--trainer.default_root_dir", scratch]
     if own.baseline_without_tools:
         overrides += ["--data.tools", "null"]
     program, sys.argv = sys.argv, [sys.argv[0]]  # LightningCLI warns when it gets both arguments and a command line
     try:
         command = cli(["--config", own.config, *fit_args, *overrides], run=False)
+        results = command.trainer.validate(command.model, datamodule=command.datamodule, verbose=False)
     finally:
         sys.argv = program
-    results = command.trainer.validate(command.model, datamodule=command.datamodule, verbose=False)
+        shutil.rmtree(scratch, ignore_errors=True)
     metrics = {key: float(value) for key, value in (results[0] if results else {}).items()}
     print(f"held-out {own.held_out} of the base model {base}: {metrics.get(own.held_out, math.nan):.3f}", flush=True)
     command.datamodule.teardown("validate")

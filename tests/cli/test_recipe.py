@@ -59,8 +59,11 @@ def test_the_table_shows_each_models_score_and_tool_use_and_training_first_and_l
 
 
 @pytest.mark.timeout(300)
-def test_the_number_guess_recipe_runs_end_to_end_on_the_tiny_model(tmp_path, capsys):
+def test_the_number_guess_recipe_runs_end_to_end_on_the_tiny_model(tmp_path, capsys, monkeypatch):
     """The tiny random model never writes a well-formed call, so `char_sum_reward` gives its groups a signal."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     config = str(files("lightning_grpo.configs") / "number_guess.yaml")
     result = main([
         "--config", config, "--held_out", "val/rewards/solved", "--steps", "2",
@@ -82,6 +85,7 @@ def test_the_number_guess_recipe_runs_end_to_end_on_the_tiny_model(tmp_path, cap
     recipe = next(tmp_path.glob("number_guess/version_*/recipe.json"))
     assert json.loads(recipe.read_text())["models"]["after GRPO"] == result["models"]["after GRPO"]
     assert not live_children()
+    assert list(cwd.iterdir()) == []  # every file went where the config says (LightningCLI's config.yaml too)
 
 
 def test_reuse_warm_start_finds_a_finished_warm_start_in_the_configs_folder_or_the_given_one(tmp_path):
