@@ -58,6 +58,7 @@ def test_the_table_shows_each_models_score_and_tool_use_and_training_first_and_l
     assert "tools/call_frequency 0.00 -> 1.00" in lines[4] and "rollout/turns_mean 1.00 -> 2.00" in lines[4]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_number_guess_recipe_runs_end_to_end_on_the_tiny_model(tmp_path, capsys, monkeypatch):
     """The tiny random model never writes a well-formed call, so `char_sum_reward` gives its groups a signal."""
