@@ -110,6 +110,12 @@ def wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
+def read_completions(done: Any) -> pd.DataFrame:
+    """The run's `completions.csv`, an empty prompt or completion read as '' (as the trackers hold it), not NaN."""
+    completions = pd.read_csv(Path(done.trainer.loggers[0].log_dir) / "completions.csv")
+    return completions.fillna({"prompt": "", "completion": ""})
+
+
 def wandb_history(run_dir: Path) -> list[dict[str, Any]]:
     """Each `run.log` call of the run: its keys (nested ones joined by '/') and values."""
     (run_file,) = run_dir.glob("run-*.wandb")
@@ -140,7 +146,7 @@ def test_wandb_offline_run_holds_every_metric_of_every_step_and_the_completions_
         tracked.setdefault(row["trainer/global_step"], {}).update(row)
     assert_same_metrics(tracked, csv_rows(done))
 
-    completions = pd.read_csv(Path(done.trainer.loggers[0].log_dir) / "completions.csv")
+    completions = read_completions(done)
     tables = [row for row in history if "completions/path" in row]
     assert [row["trainer/global_step"] for row in tables] == sorted(completions["step"].unique()) == [0, 1]
     for row in tables:
@@ -188,7 +194,7 @@ def test_mlflow_sqlite_run_holds_every_metric_of_every_step_the_hyperparameters_
 
     table = json.loads(Path(client.download_artifacts(run.info.run_id, "completions.json", str(tmp_path))).read_text())
     logged = pd.DataFrame(table["data"], columns=table["columns"])
-    completions = pd.read_csv(Path(done.trainer.loggers[0].log_dir) / "completions.csv")
+    completions = read_completions(done)
     assert sorted(logged["step"].unique()) == sorted(completions["step"].unique()) == [0, 1]
     assert list(logged.columns) == list(completions.columns)
     for column in ("step", "group_id", "prompt", "completion", "staleness"):

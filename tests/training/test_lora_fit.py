@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pandas as pd
 import pytest
 import torch
-from helpers.processes import describe, wait_no_children
+from helpers.processes import describe, live_children, wait_no_children
 from helpers.tiny import cpu_trainer, tiny_datamodule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -71,8 +71,9 @@ def fit(folder: Path, *, ckpt_path: str | None = None) -> tuple[GRPOModule, pl.T
         callbacks=[snapshots, checkpoints],
     )
     module = lora_module()
+    before = {p.pid for p in live_children()}  # e.g. another module's vLLM server on the same xdist worker
     trainer.fit(module, datamodule=tiny_datamodule(PROMPTS), ckpt_path=ckpt_path)
-    leaked = wait_no_children()
+    leaked = wait_no_children(ignore=before)
     assert not leaked, f"processes left behind: {[describe(p) for p in leaked]}"
     return module, trainer, snapshots
 
