@@ -124,7 +124,9 @@ _unsupported: set[str] = set()
 def _say_once(name: str) -> None:
     if name not in _unsupported:
         _unsupported.add(name)
-        rank_zero_info(f"The completions table is not written to {name} (CSV, TensorBoard, W&B and MLflow loggers get it).")
+        rank_zero_info(
+            f"The completions table is not written to {name} (CSV, TensorBoard, W&B and MLflow loggers get it)."
+        )
 
 
 def _round_robin(samples: list[RolloutSample], limit: int | None) -> list[int]:
