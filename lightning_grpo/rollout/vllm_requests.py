@@ -31,6 +31,19 @@ from .vllm_servers import ServerLost, VLLMServers, server_urls
 
 log = logging.getLogger(__name__)
 
+#: Seconds an idle connection to a vLLM server is kept for the next request: under the server's own keep-alive
+#: (vLLM's `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 s). aiohttp's default, 15 s, reuses a connection the server has closed
+#: whenever the event loop was too busy to see the close (a loaded machine), and the request fails with
+#: `ServerDisconnectedError`.
+KEEPALIVE_S = 4.0
+
+
+def vllm_request_session(limit: int) -> aiohttp.ClientSession:
+    """The connection pool for completion requests: at most `limit` connections, none reused after `KEEPALIVE_S`
+    idle (aiohttp checks a pooled connection's age when it hands it out, whether or not the loop saw it close)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, keepalive_timeout=KEEPALIVE_S))
+
+
 # The finish reasons of the completions requested by the current asyncio task, while `_vllm_turn` collects them.
 _finish_reasons: contextvars.ContextVar[list[str | None] | None] = contextvars.ContextVar(
     "vllm_finish_reasons", default=None
@@ -40,8 +53,9 @@ _finish_reasons: contextvars.ContextVar[list[str | None] | None] = contextvars.C
 class VLLMRequests:
     """Overrides of TRL's `_AsyncRolloutLoop._post`, `_retry` and `_run_loops`; mix it in before `_AsyncRolloutLoop`.
 
-    Reads the loop's `session` and `_counters` (TRL's attributes, pinned by `tests/test_trl_names.py`); TRL's
-    `vllm_server_url` is the first server.
+    Reads the loop's `_counters` and `max_inflight_tasks` (TRL's attributes, pinned by `tests/test_trl_names.py`);
+    TRL's `vllm_server_url` is the first server. Requests go over a connection pool of its own, which drops idle
+    connections before the server does (`KEEPALIVE_S`).
 
     Args:
         vllm_server_url: one server's URL or a list of them.
@@ -79,7 +93,10 @@ class VLLMRequests:
         """TRL's loops, and beside them (on the vLLM path) the watch over the servers' health."""
         if getattr(self, "_generator", None) is not None:
             return await super()._run_loops(stop_event)
-        async with aiohttp.ClientSession() as probes:  # its own connections: requests in flight cannot starve it
+        async with (
+            aiohttp.ClientSession() as probes,  # its own connections: requests in flight cannot starve it
+            vllm_request_session(self.max_inflight_tasks) as self._requests,
+        ):
             watch = asyncio.create_task(self.vllm_servers.watch(probes))
             try:
                 await super()._run_loops(stop_event)
@@ -119,7 +136,7 @@ class VLLMRequests:
         return result
 
     async def _post_once(self, url: str, payload: dict, timeout: float) -> dict:
-        async with self.session.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+        async with self._requests.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
             if response.status >= 400:
                 body = (await response.text())[:2000]
                 if response.status < 500:
@@ -160,6 +177,8 @@ class VLLMRequests:
                 attempt += 1
                 self._counters["rollout/vllm_retry_total"] += 1
                 sleep = min(2.0 ** min(attempt - 1, 4), max(0.1, deadline - time.monotonic()))
+                if attempt == 1 and isinstance(error, aiohttp.ServerDisconnectedError):
+                    sleep = 0.0  # most likely a pooled connection the server had closed: a new one is at hand
                 log.warning(
                     "%s failed (%s: %s); retry %d in %.1f s", label, type(error).__name__, error, attempt, sleep
                 )

@@ -57,6 +57,8 @@ def test_every_stage_has_a_finite_positive_fraction_of_its_bound(report):
         assert row["fraction"] == pytest.approx(row["measured"] / row["bound"])
     kinds = {row["bound_kind"].split(",")[0] for row in rows if row["group"] == "generator"}
     assert kinds == {"compute", "bandwidth"}  # decode against both bounds
+    dtypes = {row["stage"].rsplit(", ", 1)[1] for row in rows if row["group"] == "generator"}
+    assert dtypes == {"fp32", "bf16"}  # the generator in each dtype
 
 
 @pytest.mark.timeout(300)

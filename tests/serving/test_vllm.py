@@ -9,11 +9,13 @@ installed (`./scripts/setup_vllm.sh` installs it).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import aiohttp
 import lightning.pytorch as pl
 import numpy as np
 import psutil
@@ -28,6 +30,7 @@ from helpers.transfers import push
 from lightning_grpo.models import tiny_llama
 from lightning_grpo.rollout.loop import GRPORolloutLoop
 from lightning_grpo.rollout.sampling import teacher_forced_logprobs
+from lightning_grpo.rollout.vllm_requests import vllm_request_session
 from lightning_grpo.rollout.worker import GRPORolloutWorker
 from lightning_grpo.serving.vllm_server import VLLMServer, server_log_tail, vllm_unavailable_reason
 from lightning_grpo.weights.factory import make_weight_transfer
@@ -374,6 +377,27 @@ def test_multi_turn_rollouts_on_vllm_train_only_the_policys_tokens_and_carry_the
 
 
 # -- failures of the vLLM path in the rollout child -------------------------------------------------------------------
+
+
+@needs_vllm
+@pytest.mark.timeout(120)
+def test_the_request_pool_never_reuses_a_connection_the_server_closed_while_the_loop_was_busy(vllm_server):
+    """vLLM closes a connection idle for `VLLM_HTTP_TIMEOUT_KEEP_ALIVE` (5 s). When the client's event loop is blocked
+    meanwhile (a loaded machine), it has not seen the close: aiohttp's default pool hands that connection out and the
+    request fails with `ServerDisconnectedError`; the rollout loop's pool (`vllm_request_session`) does not."""
+    payload = trl_payload([2, 40, 41], max_tokens=2)
+
+    async def post_twice(make_session) -> None:
+        async with make_session() as session:
+            for _ in range(2):
+                async with session.post(f"{vllm_server.url}/v1/completions", json=payload) as response:
+                    assert response.status == 200
+                    await response.json()
+                time.sleep(5 + 1.5)  # blocks the loop past the server's keep-alive
+
+    with pytest.raises(aiohttp.ServerDisconnectedError):  # the failure the pool avoids
+        asyncio.run(post_twice(aiohttp.ClientSession))
+    asyncio.run(post_twice(lambda: vllm_request_session(limit=4)))
 
 
 @needs_vllm
