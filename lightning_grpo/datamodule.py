@@ -135,6 +135,9 @@ class GRPODataModule(pl.LightningDataModule):
         heartbeat_timeout: seconds without a heartbeat from the rollout child before it counts as hung.
         child_ready_timeout: seconds to wait for the child to load the policy and start.
         generator_threads: torch threads of the embedded generator (None: torch's default), or of each replica.
+        generator_dtype: the embedded generator's weights and KV cache: None, the policy's dtype; `"bfloat16"` or
+            `"float32"`; `"auto"`, bf16 where this CPU multiplies it faster (`models.precision`). Its logprobs are
+            those it sampled by; `GRPOModule(vllm_importance_sampling_correction=True)` corrects the mismatch.
         generator_replicas: embedded generator processes, each on `generator_threads` cores of its own (when the
             machine has them): each group is sampled on one, picked by load, every weight push reaches all, and one
             that dies fails the run naming it (see `lightning_grpo.rollout.replicas`). 1: the generator runs in the
@@ -211,6 +214,7 @@ class GRPODataModule(pl.LightningDataModule):
         heartbeat_timeout: float = 300.0,
         child_ready_timeout: float = 300.0,
         generator_threads: int | None = 1,
+        generator_dtype: Literal["auto", "float32", "bfloat16"] | None = None,
         generator_replicas: int = 1,
         trainer_threads: int | Literal["auto"] | None = "auto",
         val_batch_size: int = 16,
@@ -267,7 +271,7 @@ class GRPODataModule(pl.LightningDataModule):
             self._load()
         if stage == "fit":
             self._threads.apply(self.hparams, on_cpu=_on_cpu(self.trainer), world_size=self.trainer.world_size)
-            self._check_step_capacity(self.trainer.world_size)
+            check_group_fits(self.hparams, self.trainer.world_size, self._longest_prompt)
             self._make_weight_sync()
             world = self.trainer.world_size
             if world > 1 and dist.is_available() and dist.is_initialized() and self.process_group is None:
@@ -290,7 +294,7 @@ class GRPODataModule(pl.LightningDataModule):
         if self.train_prompts is None:
             self._load()
         if world_size is not None:
-            self._check_step_capacity(world_size)
+            check_group_fits(self.hparams, world_size, self._longest_prompt)
 
     def _load(self) -> None:
         hp = self.hparams
@@ -316,9 +320,6 @@ class GRPODataModule(pl.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         name = getattr(module, "model_name", None)
         return name if isinstance(name, str) else None
-
-    def _check_step_capacity(self, world_size: int) -> None:
-        check_group_fits(self.hparams, world_size, self._longest_prompt)
 
     def _make_weight_sync(self) -> None:
         if self.weight_sync is not None:

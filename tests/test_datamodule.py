@@ -49,6 +49,10 @@ def test_bad_generation_options_are_reported_together_with_their_values():
     with pytest.raises(ValueError, match="stop has 5 strings, but a vLLM server takes at most 4"):
         GRPODataModule(model="tiny-random", generator="vllm", stop=list("abcde"))
     assert GRPODataModule(model="tiny-random", stop=list("abcde"), min_p=0.1).hparams.stop == list("abcde")
+    with pytest.raises(ValueError, match=r"generator_dtype='fp16' \(one of 'auto', 'float32', 'bfloat16', or None"):
+        GRPODataModule(model="tiny-random", generator_dtype="fp16")
+    with pytest.raises(ValueError, match=r"generator_dtype='bfloat16' with generator='vllm'.*its own `--dtype`"):
+        GRPODataModule(model="tiny-random", generator="vllm", generator_dtype="bfloat16")
 
 
 def test_a_group_that_can_never_fit_a_step_fails_at_set_up_naming_the_knob(no_leaked_processes):

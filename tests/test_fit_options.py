@@ -4,6 +4,7 @@ model with several updates per step ends by itself."""
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 
 import lightning.pytorch as pl
@@ -116,3 +117,44 @@ def test_reference_model_with_two_updates_per_step_ends_by_itself(no_leaked_proc
     initial = tiny_llama(seed=0)
     for (name, ref), (_, start) in zip(module.reference.named_parameters(), initial.named_parameters(), strict=True):
         assert torch.equal(ref, start), name
+
+
+class _Bf16Reference(pl.Callback):
+    """At the first step: the logprobs of a bf16 copy of the policy (the weights its samples were drawn by, version
+    0), teacher-forced on each sample."""
+
+    def __init__(self) -> None:
+        self.samples, self.references = [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from lightning_grpo.rollout.sampling import teacher_forced_logprobs
+
+        if self.samples:
+            return
+        bf16 = copy.deepcopy(pl_module.policy).to(torch.bfloat16).eval()
+        for sample in batch.samples:
+            prompt_len = int((sample.completion_mask == 0).sum())
+            ids = sample.input_ids.tolist()
+            self.samples.append(sample)
+            self.references.append(teacher_forced_logprobs(bf16, ids[:prompt_len], ids[prompt_len:], 1.0))
+
+
+@pytest.mark.timeout(240)
+def test_a_bf16_generator_samples_by_bf16_weights_and_the_fp32_trainer_sees_the_mismatch(no_leaked_processes, caplog):
+    """`generator_dtype="bfloat16"` beside an fp32 trainer: the child builds its model in bf16 and casts each weight
+    sync into it. The first step's samples carry the logprobs of a bf16 forward of the weights that sampled them
+    (within bf16's resolution: batched and teacher-forced bf16 products round differently), and the trainer's fp32
+    logprobs differ from them by more than an fp32 generator's ever do (< 1e-4, the test above)."""
+    recorder, reference = StepRecorder(), _Bf16Reference()
+    datamodule = tiny_datamodule(4, generator_dtype="bfloat16")
+    trainer = cpu_trainer(callbacks=[recorder, reference])
+    with caplog.at_level("INFO", logger="lightning_grpo.pipeline.session"):
+        trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
+
+    assert "The embedded generator samples in bfloat16: generator_dtype='bfloat16'." in caplog.text
+    assert reference.samples and all(sample.model_version == 0 for sample in reference.samples)
+    for sample, expected in zip(reference.samples, reference.references, strict=True):
+        prompt_len = int((sample.completion_mask == 0).sum())
+        np.testing.assert_allclose(sample.old_log_probs[prompt_len:], expected.numpy(), atol=2e-2)
+    assert recorder.steps[0]["metrics"]["sampling/sampling_logp_difference/mean"] > 1e-4
+    assert trainer.global_step == len(recorder.steps) > 0

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from .._imports import import_object
+from ..models.precision import GENERATOR_DTYPES
 from ..pipeline.session import LOOP_OPTION_NAMES
 from ..rollout.stop_strings import VLLM_MAX_STOP_STRINGS, check_stop
 from ..rollout.vllm_servers import server_urls
@@ -66,6 +67,7 @@ def validate_options(hp: Any) -> None:
         problems.append(f"vllm_transfer={hp.vllm_transfer!r} (one of 'auto', 'http', 'nccl', 'lora')")
     problems += _server_problems(hp)
     problems += _replica_problems(hp)
+    problems += _generator_dtype_problems(hp)
     if hp.max_tool_calling_iterations is not None and hp.max_tool_calling_iterations < 0:
         problems.append(f"max_tool_calling_iterations={hp.max_tool_calling_iterations} (must be at least 0, or None)")
     if hp.tool_timeout is not None and not hp.tool_timeout > 0:
@@ -91,6 +93,18 @@ def _server_problems(hp: Any) -> list[str]:
         return [
             f"vllm_transfer='nccl' with {len(urls)} servers in vllm_server_url (TRL's NCCL client feeds one server: "
             "start one with data parallelism, `--data-parallel-size N`, and pass its one URL, or use 'http')"
+        ]
+    return []
+
+
+def _generator_dtype_problems(hp: Any) -> list[str]:
+    choice = hp.generator_dtype
+    if choice is not None and choice not in GENERATOR_DTYPES:
+        return [f"generator_dtype={choice!r} (one of {', '.join(map(repr, GENERATOR_DTYPES))}, or None: the policy's)"]
+    if choice is not None and hp.generator != "embedded":
+        return [
+            f"generator_dtype={choice!r} with generator={hp.generator!r} (it sets the embedded generator's dtype; a "
+            "vLLM server's is its own `--dtype`: leave generator_dtype=None)"
         ]
     return []
 

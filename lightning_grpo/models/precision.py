@@ -13,8 +13,9 @@ microseconds and a new CPU or torch probes again.
     >>> verdict.dtype, verdict.reason  # doctest: +SKIP
     ('bfloat16', 'bf16 4.3x faster than fp32 here (AVX512_BF16)')
 
-Nothing uses it by default yet: a caller decides what to do with the verdict (and learning, not the kernel timing,
-decides whether bf16 is good enough for a run).
+`GRPODataModule(generator_dtype="auto")` runs the embedded generator in the verdict's dtype
+(`resolve_generator_dtype`); nothing else uses it by default (learning, not the kernel timing, decides whether bf16
+is good enough for a run).
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ import torch
 
 from .smollm2 import default_cache_dir
 
-__all__ = ["PrecisionVerdict", "cpu_signature", "matmul_gflops", "probe_matmul_precision"]
+__all__ = [
+    "GENERATOR_DTYPES",
+    "PrecisionVerdict",
+    "cpu_signature",
+    "matmul_gflops",
+    "probe_matmul_precision",
+    "resolve_generator_dtype",
+]
 
 #: The probe's product: rows x inner -> outer, as `torch.nn.functional.linear` (a decode step of 64 rows through
 #: SmolLM2's 576 -> 1536 MLP projection; big enough that the kernel, not call overhead, decides).
@@ -45,6 +53,8 @@ PROBE_VERSION = 1
 #: /proc/cpuinfo flags that decide bf16 speed, strongest first, with the name the reason gives them.
 _BF16_FLAGS = {"amx_bf16": "AMX_BF16", "avx512_bf16": "AVX512_BF16", "bf16": "BF16"}  # "bf16": Arm's Features
 DType = Literal["float32", "bfloat16"]
+#: What `GRPODataModule(generator_dtype=...)` takes besides None (the policy's own dtype).
+GENERATOR_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -189,3 +199,23 @@ def _write(path: Path, verdict: PrecisionVerdict) -> None:
         os.replace(file.name, path)
     except OSError:
         Path(file.name).unlink(missing_ok=True)
+
+
+def resolve_generator_dtype(choice: str | None, policy_dtype: torch.dtype) -> tuple[str, str]:
+    """The embedded generator's dtype for `GRPODataModule(generator_dtype=choice)`, and why, in words for the log.
+
+    None keeps the policy's dtype; "float32" or "bfloat16" is taken as given; "auto" is `probe_matmul_precision`'s
+    verdict (bf16 only where its products are faster here).
+
+    Raises:
+        ValueError: a `choice` outside `GENERATOR_DTYPES` and None.
+    """
+    if choice is None:
+        name = str(policy_dtype).removeprefix("torch.")
+        return name, "the policy's dtype (generator_dtype=None)"
+    if choice not in GENERATOR_DTYPES:
+        raise ValueError(f"generator_dtype={choice!r} is not one of {GENERATOR_DTYPES} or None (the policy's dtype).")
+    if choice != "auto":
+        return choice, f"generator_dtype={choice!r}"
+    verdict = probe_matmul_precision()
+    return verdict.dtype, f"generator_dtype='auto': {verdict.reason}"

@@ -7,6 +7,7 @@ collator) over its queue. Only rank 0 has one; the other ranks receive their sha
 
 from __future__ import annotations
 
+import logging
 import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from ..data.tooling import ConversationSpec
 from .ledger import RolloutProgress
 from .metrics import MetricWindow
 from .stream import RolloutPipeline
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -248,12 +251,15 @@ def embedded_generator_spec(hp: Any, policy: Any, eos: Sequence[int], tokenizer:
     with `generator_replicas` > 1); None for vLLM."""
     if hp.generator != "embedded":
         return None
+    from ..models.precision import resolve_generator_dtype
     from ..rollout.generator import GeneratorSpec, PolicySpec
     from ..rollout.replicas import GeneratorReplicasSpec
     from ..rollout.vllm_servers import server_stale_after_s
 
+    dtype, why = resolve_generator_dtype(hp.generator_dtype, policy.dtype)
+    log.info("The embedded generator samples in %s: %s.", dtype, why)
     spec = GeneratorSpec(
-        PolicySpec.from_model(policy),
+        PolicySpec.from_model(policy, dtype),
         eos_token_ids=tuple(eos),
         temperature=hp.temperature,
         top_p=hp.top_p,

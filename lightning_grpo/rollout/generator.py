@@ -61,9 +61,10 @@ class PolicySpec:
             raise ValueError(f"`PolicySpec(dtype={self.dtype!r})` is not a torch dtype. Use e.g. 'float32'.")
 
     @classmethod
-    def from_model(cls, model: PreTrainedModel) -> PolicySpec:
-        """The architecture of `model` (its config and dtype), without its weights."""
-        return cls(config=model.config.to_dict(), dtype=str(model.dtype).removeprefix("torch."))
+    def from_model(cls, model: PreTrainedModel, dtype: str | None = None) -> PolicySpec:
+        """The architecture of `model` (its config, and its dtype unless `dtype` names another), without its
+        weights. In another dtype the generator casts each weight sync into it as it copies it in."""
+        return cls(config=model.config.to_dict(), dtype=dtype or str(model.dtype).removeprefix("torch."))
 
     @property
     def has_weights(self) -> bool:

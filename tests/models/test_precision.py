@@ -84,3 +84,19 @@ def test_the_default_cache_is_the_package_cache_folder(tmp_path, monkeypatch):
 )
 def test_the_reason_says_how_much_and_why(speedup, hardware, reason):
     assert precision._reason(speedup, hardware) == reason
+
+
+def test_the_generator_dtype_is_the_policys_the_one_named_or_the_probes_verdict(tmp_path, monkeypatch):
+    from lightning_grpo.models.precision import resolve_generator_dtype
+
+    monkeypatch.setenv("LIGHTNING_GRPO_CACHE", str(tmp_path))
+    assert resolve_generator_dtype(None, torch.float32) == ("float32", "the policy's dtype (generator_dtype=None)")
+    assert resolve_generator_dtype(None, torch.bfloat16)[0] == "bfloat16"
+    assert resolve_generator_dtype("bfloat16", torch.float32) == ("bfloat16", "generator_dtype='bfloat16'")
+    verdict = probe_matmul_precision()
+    assert resolve_generator_dtype("auto", torch.float32) == (
+        verdict.dtype,
+        f"generator_dtype='auto': {verdict.reason}",
+    )
+    with pytest.raises(ValueError, match=r"generator_dtype='fp16' is not one of \('auto', 'float32', 'bfloat16'\)"):
+        resolve_generator_dtype("fp16", torch.float32)
