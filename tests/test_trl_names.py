@@ -109,6 +109,8 @@ LOOP_SOURCE_NAMES = [
     'payload["min_p"] = self.min_p',
     '"model": self._request_model',  # names the adapter `{lora_name}-v{model_version}` (adapter-only vLLM sync)
     'f"{self.lora_name}-v{self.model_version}"',
+    # `_push_rollout_metrics` offsets this count by the generator's own truncation flag
+    'self._rates["completions/clipped_ratio"][0] += completion_ids[-1] not in eos_and_pad',
 ]
 
 ROLLOUT_GROUP_FIELDS = [

@@ -393,6 +393,16 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         calls, failures = conversation.tool_calls, conversation.tool_failures
         return conversation.completion, conversation.completion_ids, sequences, calls, failures, None
 
+    def _push_rollout_metrics(self, *, completion_ids: list[int], **kwargs: Any) -> None:
+        """TRL's, with `completions/clipped_ratio` counting completions the generator cut at `max_tokens`: TRL counts
+        those not ending on an EOS id, which a completion a stop string ended is too."""
+        truncations = _turn_truncations.get()
+        truncated = truncations[-1] if truncations else None
+        if completion_ids and truncated is not None:
+            trl_counts = completion_ids[-1] not in (*self.eos_token_ids, self.tokenizer.pad_token_id)
+            self._rates["completions/clipped_ratio"][0] += float(truncated) - float(trl_counts)  # TRL adds the latter
+        super()._push_rollout_metrics(completion_ids=completion_ids, **kwargs)
+
     async def _generate_one_turn(self, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
         """One turn, from the embedded generator or the vLLM server; records the version of the weights sampling it
         (vLLM: the live version when the request is sent, never newer than the weights that serve it)."""

@@ -25,6 +25,20 @@ def collect_groups(worker, count: int, timeout: float = 120.0) -> dict[int, list
     return groups
 
 
+def drained_rate(worker, key: str, settle_s: float = 1.0) -> tuple[float, float]:
+    """The `(numerator, denominator)` of rate `key` summed over what the child has sent to `worker.metrics_queue`."""
+    time.sleep(settle_s)  # the queue's feeder thread delivers what was put just before
+    total = [0.0, 0.0]
+    while True:
+        try:
+            payload = worker.metrics_queue.get(timeout=0.2)
+        except queue.Empty:
+            return total[0], total[1]
+        if key in payload:
+            total[0] += payload[key][0]
+            total[1] += payload[key][1]
+
+
 def groups_per_version(worker, sync, models, per_version: int = 2, timeout: float = 180.0):
     """Publish each of `models` in turn through `sync` (the first one already pushed) and let `per_version` groups in
     after each push: for a worker paced by `groups_per_step=per_version`, `max_staleness=0`. Returns the groups."""

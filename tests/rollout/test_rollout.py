@@ -18,7 +18,7 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers.fit_rewards import ChildOnlyReward, environment_mark
-from helpers.rollouts import check_stopped_samples, collect_groups
+from helpers.rollouts import check_stopped_samples, collect_groups, drained_rate
 from helpers.transfers import push
 
 from lightning_grpo.rollout import start_method
@@ -285,9 +285,12 @@ def test_stop_strings_end_completions_untruncated_with_logprobs_of_the_processed
     worker = start_worker(tiny_model, tokenizer, transfer, generator_options=options, stop=stop, dataset=prompts(2))
     try:
         groups = collect_groups(worker, 2)
+        clipped, rollouts = drained_rate(worker, "completions/clipped_ratio")
     finally:
         worker.stop()
     check_stopped_samples(groups, tiny_model, tokenizer, stop, MAX_TOKENS, **sampling)
+    samples = [sample for samples in groups.values() for sample in samples]
+    assert rollouts == len(samples) and clipped == sum(sample.truncated for sample in samples)  # stops are not clipped
 
 
 @pytest.mark.timeout(240)
