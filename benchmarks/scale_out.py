@@ -86,7 +86,8 @@ def run_fit(model: str, urls: list[str], args: argparse.Namespace, out: Path) ->
 
 def fit_rates(trainer: pl.Trainer, datamodule: GRPODataModule, clock: StepClock, ended: float) -> dict[str, float]:
     """A finished fit's prompt groups consumed per second after its first optimizer step, the trainer's idle fraction
-    over that span, the fraction it spent pushing weights (to every server), its steps and the groups consumed (the trainer logs to a `CSVLogger`)."""
+    over that span, the fraction it spent pushing weights (to every server), its steps and the groups consumed (the
+    trainer logs to a `CSVLogger`)."""
     metrics = pd.read_csv(Path(trainer.logger.log_dir) / "metrics.csv")
     consumed = len(datamodule.progress.consumed)
     first_end, first_groups = clock.first

@@ -387,13 +387,16 @@ def test_the_request_pool_never_reuses_a_connection_the_server_closed_while_the_
     request fails with `ServerDisconnectedError`; the rollout loop's pool (`vllm_request_session`) does not."""
     payload = trl_payload([2, 40, 41], max_tokens=2)
 
+    async def post(session: aiohttp.ClientSession) -> None:
+        async with session.post(f"{vllm_server.url}/v1/completions", json=payload) as response:
+            assert response.status == 200
+            await response.json()
+
     async def post_twice(make_session) -> None:
         async with make_session() as session:
-            for _ in range(2):
-                async with session.post(f"{vllm_server.url}/v1/completions", json=payload) as response:
-                    assert response.status == 200
-                    await response.json()
-                time.sleep(5 + 1.5)  # blocks the loop past the server's keep-alive
+            await post(session)
+            time.sleep(5 + 1.5)  # blocks the loop past the server's keep-alive
+            await post(session)
 
     with pytest.raises(aiohttp.ServerDisconnectedError):  # the failure the pool avoids
         asyncio.run(post_twice(aiohttp.ClientSession))
