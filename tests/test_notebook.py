@@ -64,7 +64,7 @@ def test_quickstart_notebook_shows_the_reward_of_a_cell_defined_function_climbin
     assert steps is not None, text[-3000:]
     assert int(steps[1]) >= 10 and 0 <= float(steps[2]) <= 1
     climbed = re.search(r"reward climbed from ([\d.]+) \(first 3 steps\) to ([\d.]+)", text)
-    assert climbed is not None and float(climbed[2]) > float(climbed[1]) + 0.1, text[-3000:]
+    assert climbed is not None and float(climbed[2]) > float(climbed[1]) + 0.3, text[-3000:]
     table = re.search(r"first step: mean reward ([\d.]+); last step: ([\d.]+)", text)
     assert table is not None and float(table[2]) > float(table[1]), text[-3000:]
     held_out = re.search(r"held-out digit_fraction \(greedy\): (.*)", text)
