@@ -4,7 +4,7 @@ from .completions_table import CompletionsTableCallback
 from .preemption import PREEMPTED_EXIT_CODE, PreemptionCallback
 from .progress_bar import GRPOProgressBar
 from .rollout_metrics import RolloutMetricsCallback
-from .rollout_stop import RolloutStopCallback, RolloutStreamError
+from .rollout_stop import RolloutStallError, RolloutStopCallback, RolloutStreamError
 from .weight_sync import WeightSyncCallback
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "PREEMPTED_EXIT_CODE",
     "PreemptionCallback",
     "RolloutMetricsCallback",
+    "RolloutStallError",
     "RolloutStopCallback",
     "RolloutStreamError",
     "WeightSyncCallback",

@@ -20,6 +20,12 @@ class RolloutStreamError(RuntimeError):
     """The rollout stream ended with an error: the run stalled, or rank 0's pipeline (the rollout child) failed."""
 
 
+class RolloutStallError(RolloutStreamError):
+    """The run stalled: `stall_groups` prompt groups in a row (by default a full pass) were consumed without one
+    training, for the reasons the message counts (e.g. `no_signal`: every completion of each group scored the same,
+    as when the policy already solves every prompt, or a reward is constant)."""
+
+
 class RolloutStopCallback(Callback):
     """Ends `Trainer.fit` on every rank at the stop item that ends the rollout stream; the run's end has no other
     owner.
@@ -33,7 +39,8 @@ class RolloutStopCallback(Callback):
     - a stop sent because the trainer received SIGTERM while it waited for rollouts ends the fit through Lightning's
       `SIGTERMException` (see `PreemptionCallback`); after SIGTERM no step is looked ahead;
     - a stop with an error (a full pass over the prompts trained nothing, or the rollout child died or hung) raises
-      `RolloutStreamError` with that message on every rank at once, so no rank is left waiting in a collective.
+      `RolloutStreamError` with that message on every rank at once, so no rank is left waiting in a collective
+      (`RolloutStallError`, a subclass, for a stall).
 
     The stop item never reaches `training_step`, the optimizer or the other callbacks. A stream that stops at its
     first fetch (nothing left to train) ends the epoch with no batch and is handled at the epoch's end the same way.
@@ -41,7 +48,7 @@ class RolloutStopCallback(Callback):
     weights); `GRPOModule` adds both, in that order.
 
     Raises:
-        RolloutStreamError: on every rank, when the stream ends with an error.
+        RolloutStreamError: on every rank, when the stream ends with an error; `RolloutStallError` for a stall.
         TypeError, ValueError: (in `setup`) no `RolloutSource` data module, or a `WeightSyncCallback` after it.
 
     Example::
@@ -82,7 +89,7 @@ class RolloutStopCallback(Callback):
         if stop is None or stop.preempted:  # Lightning raises SIGTERMException once this batch's hooks ran
             return
         if stop.error:
-            raise RolloutStreamError(stop.error)
+            raise (RolloutStallError if stop.stalled else RolloutStreamError)(stop.error)
         trainer.should_stop = True
 
 

@@ -28,7 +28,7 @@ def test_ddp_full_pass_without_signal_raises_stall_on_both_ranks(tmp_path):
     code, results = run_fit(tmp_path, "--devices", "2", "--scenario", "stall", "--prompts", "4")
     assert code != 0
     for rank in (0, 1):
-        assert results[rank]["error"].startswith("RolloutStreamError"), results[rank]
+        assert results[rank]["error"].startswith("RolloutStallError"), results[rank]
         assert "no_signal" in results[rank]["error"] and "4" in results[rank]["error"]
         assert results[rank]["global_step"] == 0
 

@@ -31,10 +31,13 @@ DEFAULT_CONFIG = str(files("lightning_grpo.configs") / "arithmetic.yaml")
 ACCURACY = "val/rewards/accuracy"
 
 
-def main(argv: list[str] | None = None, *, held_out: str = ACCURACY) -> dict[str, Any]:
+def main(argv: list[str] | None = None, *, held_out: str = ACCURACY, allow_stall: bool = False) -> dict[str, Any]:
     """Run the main job with `lightning-grpo fit` arguments `argv` (default `sys.argv[1:]`); returns its summary.
 
     `held_out` is the validation metric printed before and after (a recipe's score, e.g. `val/rewards/solved`).
+    With `allow_stall`, a stall (`RolloutStallError`: a full pass over the prompts trained nothing, as when the
+    policy already solves every prompt) ends the fit like its end: the job validates, reports and returns, with the
+    stall's message as the summary's `stall` (None otherwise); without it, the stall is raised.
     """
     from .app import cli
 
@@ -47,13 +50,13 @@ def main(argv: list[str] | None = None, *, held_out: str = ACCURACY) -> dict[str
     # model summary, which a flag can bring back.
     program, sys.argv = sys.argv, [sys.argv[0], "--trainer.enable_model_summary", "false", *argv]
     try:
-        summary = _run(cli(None, run=False), memory, held_out)
+        summary = _run(cli(None, run=False), memory, held_out, allow_stall)
     finally:
         sys.argv = program
     return summary
 
 
-def _run(command: Any, memory: _PeakMemory, held_out: str = ACCURACY) -> dict[str, Any]:
+def _run(command: Any, memory: _PeakMemory, held_out: str = ACCURACY, allow_stall: bool = False) -> dict[str, Any]:
     trainer, module, datamodule = command.trainer, command.model, command.datamodule
     validations = _LastValidation(held_out)
     trainer.callbacks.append(validations)
@@ -63,10 +66,11 @@ def _run(command: Any, memory: _PeakMemory, held_out: str = ACCURACY) -> dict[st
     print(f"held-out {label} before training: {before:.3f}", flush=True)
     print(_describe_policy(module), flush=True)
     started = time.monotonic()
-    trainer.fit(module, datamodule=datamodule)
+    stall = _fit(trainer, module, datamodule, allow_stall)
     minutes = (time.monotonic() - started) / 60
-    # The fit validates when the stream ends it; validate again only if that did not happen after the last step.
-    after = validations.accuracy_at(trainer.global_step)
+    # The fit validates when the stream ends it; validate again only if that did not happen after the last step
+    # (a stall before the first step left the policy as it was validated before).
+    after = before if stall is not None and trainer.global_step == 0 else validations.accuracy_at(trainer.global_step)
     if after is None:
         after = _accuracy(trainer.validate(module, datamodule=datamodule, verbose=False), held_out)
 
@@ -78,6 +82,7 @@ def _run(command: Any, memory: _PeakMemory, held_out: str = ACCURACY) -> dict[st
         "optimizer_steps": trainer.global_step,
         "groups_consumed": len(datamodule.progress.consumed),
         "peak_rss_gb": memory.stop(),
+        "stall": stall,
         "metrics_csv": str(log_dir / "metrics.csv"),
         "completions_csv": str(log_dir / "completions.csv"),
         "plot": str(log_dir / "reward.png"),
@@ -98,6 +103,20 @@ def _run(command: Any, memory: _PeakMemory, held_out: str = ACCURACY) -> dict[st
     ):
         print(f"{label + ':':<19}{path}", flush=True)
     return summary
+
+
+def _fit(trainer: pl.Trainer, module: Any, datamodule: Any, allow_stall: bool) -> str | None:
+    """`trainer.fit`; the stall's message when it stalled and `allow_stall`, else None (a stall is raised)."""
+    from ..callbacks import RolloutStallError
+
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    except RolloutStallError as stall:
+        if not allow_stall:
+            raise
+        print(f"GRPO stopped after {trainer.global_step} optimizer steps: {stall}", flush=True)
+        return str(stall)
+    return None
 
 
 def _describe_policy(module: Any) -> str:

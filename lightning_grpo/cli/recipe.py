@@ -8,7 +8,9 @@
    with the config's tools taken away (the base model's own chat template: what it does without a tool).
 2. Warm start: `lightning-grpo sft --config <config>` with the `--sft.*` arguments, writing the config's `model.model`
    (with `--reuse_warm_start`, skipped when that folder already holds one: to run GRPO again from it).
-3. GRPO: the main job (`lightning_grpo.cli.main_job`) from the warm start, validating before and after.
+3. GRPO: the main job (`lightning_grpo.cli.main_job`) from the warm start, validating before and after. A stall
+   (a full pass whose groups all scored alike, as when the warm start already solves every training problem) ends
+   this step instead of the recipe: the table then says so, and "after GRPO" is the policy the stall left.
 
 Every other argument goes to steps 1 and 3 (`lightning-grpo fit` arguments). It ends with one table: the held-out
 score (`--held_out`, default `val/rewards/accuracy`), tool calls per conversation, the failed-call rate and turns per
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _warm_start(own.config, sft_args)
     from .main_job import main as main_job
 
-    summary = main_job(["--config", own.config, *fit_args], held_out=own.held_out)
+    summary = main_job(["--config", own.config, *fit_args], held_out=own.held_out, allow_stall=True)
     metrics_csv = Path(summary["metrics_csv"])
     before, after = validation_rows(metrics_csv)
     result = {
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "models": {"base model": baseline, "after the warm start": before, "after GRPO": after},
         "training": training_means(metrics_csv, own.steps),
         "optimizer_steps": summary["optimizer_steps"],
+        "stall": summary["stall"],
         "fit_minutes": summary["fit_minutes"],
         "minutes": round((time.monotonic() - started) / 60, 2),
     }
@@ -193,6 +196,8 @@ def format_table(result: dict[str, Any], *, without_tools: bool = False) -> str:
         f"{result['optimizer_steps']} optimizer steps, fit {result['fit_minutes']:.1f} min, "
         f"whole recipe {result['minutes']:.1f} min"
     )
+    if result.get("stall"):
+        lines.append(f"GRPO stalled (its groups taught nothing): {result['stall'].split(' HINT: ')[0]}")
     return "\n".join(lines)
 
 

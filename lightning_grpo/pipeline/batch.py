@@ -64,6 +64,7 @@ class StepBatch:
         stop: True for the stop item: every rank receives it at the same fetch, and `RolloutStopCallback` ends the
             fit there.
         error: set on the stop item when the run stalled or rank 0's pipeline failed; every rank raises it.
+        stalled: on the stop item, the error is a stall (a full pass over the prompts trained no group).
         metrics: rank 0's planning, packing and sample metrics for this step (empty on other ranks).
         samples: the step's samples in `sample_uid` order, on rank 0 only (for logging and callbacks).
     """
@@ -74,9 +75,10 @@ class StepBatch:
     stop: bool = False
     error: str | None = None
     preempted: bool = False  # a stop item sent because the trainer was asked to stop (SIGTERM) while it waited
+    stalled: bool = False
     metrics: dict[str, Any] = field(default_factory=dict)
     samples: list[RolloutSample] = field(default_factory=list)
 
     @classmethod
-    def stop_item(cls, error: str | None = None, *, preempted: bool = False) -> StepBatch:
-        return cls(stop=True, error=error, preempted=preempted)
+    def stop_item(cls, error: str | None = None, *, preempted: bool = False, stalled: bool = False) -> StepBatch:
+        return cls(stop=True, error=error, preempted=preempted, stalled=stalled)

@@ -71,7 +71,7 @@ class ProgressCollator:
 
     def __call__(self, item: StepPlan | RolloutStop) -> list[StepBatch]:
         if isinstance(item, RolloutStop):
-            return [StepBatch.stop_item(item.error) for _ in range(self.num_processes)]
+            return [StepBatch.stop_item(item.error, stalled=item.stalled) for _ in range(self.num_processes)]
         try:
             batches = self._collate(item)
         except Exception as exc:

@@ -36,14 +36,23 @@ class RolloutStop(Exception):  # noqa: N818 - the seed's name
     """Ends the rollout stream; `error` is set when the run made no progress or rank 0's pipeline failed.
 
     `error` is text, so the stop pickles and crosses processes (every rank receives it as a `StepBatch.stop_item`).
+    `stalled` tells a stall (a full pass over the prompts trained nothing) from a failure.
     """
 
-    def __init__(self, error: str | None = None) -> None:
+    def __init__(self, error: str | None = None, *, stalled: bool = False) -> None:
         super().__init__(error)
         self.error = error
+        self.stalled = stalled
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rollout_stop, (self.error, self.stalled)
 
     def __repr__(self) -> str:
-        return f"RolloutStop(error={self.error!r})"
+        return f"RolloutStop(error={self.error!r}" + (", stalled=True)" if self.stalled else ")")
+
+
+def _rollout_stop(error: str | None, stalled: bool) -> RolloutStop:
+    return RolloutStop(error, stalled=stalled)
 
 
 class RolloutProgress:
@@ -173,11 +182,11 @@ class RolloutProgress:
         """End the stream when a full pass over the prompts trained no group, or when every group is consumed.
 
         Raises:
-            RolloutStop: with `error` on a stall, without when the run's groups are all consumed.
+            RolloutStop: with `error` (and `stalled`) on a stall, without when the run's groups are all consumed.
         """
         error = self.stall_error()
         if error is not None:
-            raise RolloutStop(error=error)
+            raise RolloutStop(error=error, stalled=True)
         if len(self.consumed) >= self.epochs_done:
             raise RolloutStop()
 

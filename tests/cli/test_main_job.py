@@ -55,3 +55,22 @@ def test_main_job_reports_accuracy_before_and_after_with_a_plot_and_summary(
     last_step = metrics.dropna(subset=["loss"])["step"]
     assert len(last_step) == summary["optimizer_steps"] and validations["step"].max() == last_step.max()
     assert math.isclose(validations[ACCURACY].iloc[-1], summary["accuracy_after"], abs_tol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_with_allow_stall_a_fit_that_trains_nothing_is_reported_not_raised(tmp_path, monkeypatch, no_leaked_processes):
+    """A constant reward leaves every group without a signal; by default the stall is raised (the DDP fit test), and
+    with `allow_stall` (what the recipes use) the job reports it and keeps the policy's validation."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["main_job"])
+    rewards = "[helpers.fit_rewards.constant_reward]"
+    summary = main(
+        ["--config", SMOKE, "--data.reward_funcs", rewards], held_out="val/rewards/constant_reward", allow_stall=True
+    )
+    assert summary["optimizer_steps"] == 0 and summary["groups_consumed"] == 8
+    assert "8 prompt groups in a row" in summary["stall"] and "no_signal: 8" in summary["stall"]
+    assert (
+        summary["accuracy_after"] == summary["accuracy_before"] == 1.0
+    )  # the policy the stall left is the one validated
+    log_dir = next((tmp_path / "smoke").glob("version_*"))
+    assert json.loads((log_dir / "summary.json").read_text()) == summary

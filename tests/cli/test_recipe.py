@@ -56,6 +56,9 @@ def test_the_table_shows_each_models_score_and_tool_use_and_training_first_and_l
     assert lines[2].split()[-4:] == ["0.250", "0.500", "nan", "1.500"]
     assert lines[3].split()[-4:] == ["0.750", "1.000", "nan", "2.000"]
     assert "tools/call_frequency 0.00 -> 1.00" in lines[4] and "rollout/turns_mean 1.00 -> 2.00" in lines[4]
+    assert not any("stalled" in line for line in lines)
+    stalled = format_table({**result, "stall": "8 groups in a row (no_signal: 8). HINT: raise num_generations"})
+    assert stalled.splitlines()[-1] == "GRPO stalled (its groups taught nothing): 8 groups in a row (no_signal: 8)."
 
 
 @pytest.mark.slow

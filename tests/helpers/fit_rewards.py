@@ -16,6 +16,11 @@ def char_sum_reward(completions, **kwargs):
     return [sum(map(ord, c[0]["content"])) % 97 / 97 for c in completions]
 
 
+def constant_reward(completions, **kwargs):
+    """The same reward for every completion: no group carries a learning signal, so a fit stalls."""
+    return [1.0 for _ in completions]
+
+
 def length_reward(completions, **kwargs):
     """A second reward column: the completion's length."""
     return [len(c[0]["content"]) / 8 for c in completions]
