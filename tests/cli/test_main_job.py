@@ -69,8 +69,7 @@ def test_with_allow_stall_a_fit_that_trains_nothing_is_reported_not_raised(tmp_p
     )
     assert summary["optimizer_steps"] == 0 and summary["groups_consumed"] == 8
     assert "8 prompt groups in a row" in summary["stall"] and "no_signal: 8" in summary["stall"]
-    assert (
-        summary["accuracy_after"] == summary["accuracy_before"] == 1.0
-    )  # the policy the stall left is the one validated
+    # the policy the stall left is the one validated before
+    assert summary["accuracy_after"] == summary["accuracy_before"] == 1.0
     log_dir = next((tmp_path / "smoke").glob("version_*"))
     assert json.loads((log_dir / "summary.json").read_text()) == summary
