@@ -74,6 +74,10 @@ class GRPOLightningCLI(LightningCLI):
         parser.link_arguments("model.model", "data.model", compute_fn=_policy_name)
         parser.add_optimizer_args((Optimizer,))
         parser.add_lr_scheduler_args(LRSchedulerTypeTuple)
+        # One config serves a recipe's two commands: its `sft` section is `lightning-grpo sft`'s, unused by the fit.
+        parser.add_argument(
+            "--sft", type=dict | None, default=None, help="the warm start's options (`lightning-grpo sft --help`)"
+        )
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI loads `--ckpt_path` here, first of all, for its hyper-parameters: a damaged file would end the

@@ -38,3 +38,16 @@ def test_bad_options_fail_in_one_message_naming_each(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--data", "{}", "--sft.output_dir", "x"])
     assert exit_info.value.code == 2 and "no task: set data.dataset" in capsys.readouterr().err
+
+
+def test_a_configs_sft_section_sets_the_warm_start_and_the_command_line_overrides_it():
+    """One config serves both commands of a recipe: `calculator.yaml`'s `sft:` section is the warm start's (the fit
+    ignores it: `tests/cli/test_configs.py` builds the fit from the same file)."""
+    from importlib.resources import files
+
+    from lightning_grpo.sft.command import _parser
+
+    config = str(files("lightning_grpo.configs") / "calculator.yaml")
+    assert _parser().parse_args(["--config", config]).sft.num_demonstrations == 4
+    overridden = _parser().parse_args(["--config", config, "--sft.num_demonstrations", "6"])
+    assert overridden.sft.num_demonstrations == 6 and overridden.sft.batch_size == WarmStartOptions.batch_size
