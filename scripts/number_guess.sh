@@ -9,4 +9,4 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRL_EXPERIMENTAL_SILENCE=1 TOKENIZERS_PARALLELISM=false
 exec .venv/bin/python -m lightning_grpo.cli.recipe --config lightning_grpo/configs/number_guess.yaml \
-  --held_out val/rewards/solved --sft.demonstration lightning_grpo.environments.number_guess.demonstration "$@"
+  --held_out val/rewards/solved "$@"
