@@ -33,6 +33,7 @@ reward scoring, the rest of `training_step` (the loss's forward and backward, to
     python benchmarks/learning.py                  # the full race (SmolLM2; about 50-70 minutes on 2 quiet cores)
     python benchmarks/learning.py --model tiny-random --train-size 8 --val-size 8     # a check of the plumbing
     python benchmarks/learning.py --sides ours --reuse runs/learning/<earlier>        # ours again, same TRL run
+    python benchmarks/learning.py --sides ours --precision bf16-mixed --generator-dtype bfloat16 --reuse <earlier>
     python benchmarks/learning.py --summarize runs/learning/<a> runs/learning/<b> --out docs/    # several runs
 
 How many steps a run needs to reach 0.9 varies from run to run (sampling, and for ours the asynchronous schedule's
@@ -126,6 +127,8 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     pl.seed_everything(config["seed_everything"])
     data = {**config["data"], "dataset_size": args.train_size, "val_size": args.val_size}
     data["reward_funcs"] = [args.reward]
+    if args.generator_dtype != "none":
+        data["generator_dtype"] = args.generator_dtype
     module = GRPOModule(**{**config["model"], "model": args.model})
     datamodule = GRPODataModule(**data)
     snapshots = Snapshots(out / "snapshots", args.snapshot_every)
@@ -146,7 +149,7 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             snapshots.maybe_save(pl_module.policy, trainer.global_step, last=True)
 
     trainer = common.quiet_cpu_trainer(
-        precision=config["trainer"].get("precision", "32-true"),
+        precision=args.precision,
         max_steps=args.max_steps or -1,
         logger=CSVLogger(out, name="metrics", version=0),
         callbacks=[SnapshotCallback()],
@@ -174,6 +177,8 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "snapshot_pause_s": round(snapshots.paused_s, 2),
         "wall_s": round(wall, 2),
         "breakdown": breakdown,
+        "precision": args.precision,
+        "generator_dtype": data.get("generator_dtype"),
         "note": "generation runs in the rollout process, overlapping the trainer's time",
     }
 
@@ -243,7 +248,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     trl_config = GRPOConfig(
         output_dir=str(out / "trl_output"),
         use_cpu=True,
-        bf16=False,
+        bf16=args.precision == "bf16-mixed",  # autocast with fp32 weights, as Lightning's bf16-mixed
         gradient_checkpointing=False,
         per_device_train_batch_size=data["samples_per_row"],
         gradient_accumulation_steps=data["gradient_accumulation_steps"],
@@ -291,6 +296,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "snapshots": snapshots.taken,
         "optimizer_steps": trainer.state.global_step,
         "prompts_per_step": groups_per_step,
+        "precision": args.precision,
         "training_s": training_s,
         "snapshot_pause_s": round(snapshots.paused_s, 2),
         "wall_s": round(wall, 2),
@@ -404,31 +410,45 @@ def report(sides: dict[str, dict[str, Any]], out: Path) -> None:
 
 
 def summarize(folders: list[Path], out: Path) -> None:
-    """Each run's time to every threshold and its ratio to its TRL run, the medians, and a plot of every curve."""
+    """Each run's time to every threshold and its ratio to its TRL run, the medians of each precision of ours, and a
+    plot of every curve."""
     runs = [(folder, json.loads((folder / "race.json").read_text())) for folder in folders]
-    print("| run | steps | s per step | " + " | ".join(f"ours / TRL s to {t} (steps)" for t in THRESHOLDS) + " |")
-    print("|---|---|---|" + "---|" * len(THRESHOLDS))
-    ratios: dict[float, list[float]] = {t: [] for t in THRESHOLDS}
+    print(
+        "| run | ours' precision | steps | s per step | "
+        + " | ".join(f"ours / TRL s to {t} (steps)" for t in THRESHOLDS)
+        + " |"
+    )
+    print("|---|---|---|---|" + "---|" * len(THRESHOLDS))
+    ratios: dict[str, dict[float, list[float]]] = {}
     for folder, sides in runs:
         ours, trl = sides["ours"], sides["trl"]
+        label = precision_label(ours)
         cells = []
         for threshold in THRESHOLDS:
             mine, theirs = first_reaching(ours["curve"], threshold), first_reaching(trl["curve"], threshold)
             if mine is None or theirs is None:
                 cells.append(f"{_fmt(mine)} / {_fmt(theirs)}")
                 continue
-            ratios[threshold].append(mine / theirs)
+            ratios.setdefault(label, {}).setdefault(threshold, []).append(mine / theirs)
             step = first_point(ours["curve"], threshold)["step"]
             cells.append(f"{mine:.0f} / {theirs:.0f} = {mine / theirs:.2f} ({step})")
         per_step = ours["training_s"] / ours["optimizer_steps"]
-        print(f"| {folder.name} | {ours['optimizer_steps']} | {per_step:.1f} | " + " | ".join(cells) + " |")
-    medians = {t: statistics.median(r) for t, r in ratios.items() if r}
-    print("median ours / TRL: " + ", ".join(f"to {t}: {m:.2f}" for t, m in medians.items()))
+        print(f"| {folder.name} | {label} | {ours['optimizer_steps']} | {per_step:.1f} | " + " | ".join(cells) + " |")
+    medians = {label: {t: statistics.median(r) for t, r in by.items()} for label, by in ratios.items()}
+    for label, by in medians.items():
+        print(f"median ours ({label}) / TRL: " + ", ".join(f"to {t}: {m:.2f}" for t, m in by.items()))
     out.mkdir(parents=True, exist_ok=True)
     summary = {"runs": {str(folder): sides for folder, sides in runs}, "median_ratio": medians}
     (out / "learning_race.json").write_text(json.dumps(summary, indent=2))
     plot_runs(runs, out / "learning_race.png")
     print(f"wrote {out / 'learning_race.json'} and {out / 'learning_race.png'}")
+
+
+def precision_label(side: dict[str, Any]) -> str:
+    """A side's training precision, and our generator's dtype where it was set (runs before either was recorded
+    were fp32)."""
+    label = side.get("precision", "32-true")
+    return label + (f", generator {side['generator_dtype']}" if side.get("generator_dtype") else "")
 
 
 def plot_runs(runs: list[tuple[Path, dict[str, Any]]], path: Path) -> None:
@@ -442,13 +462,19 @@ def plot_runs(runs: list[tuple[Path, dict[str, Any]]], path: Path) -> None:
     drawn_trl: list[list] = []
     for index, (folder, sides) in enumerate(runs):
         curve = sides["ours"]["curve"]
-        label = f"lightning_grpo, run {index + 1} ({folder.name})"
+        label = f"lightning_grpo {precision_label(sides['ours'])}, run {index + 1} ({folder.name})"
         ax.plot([p["training_s"] for p in curve], [p["accuracy"] for p in curve], "o-", color=f"C{index}", label=label)
         trl = sides["trl"]["curve"]
         if trl not in drawn_trl:
             drawn_trl.append(trl)
             xs, ys = [p["training_s"] for p in trl], [p["accuracy"] for p in trl]
-            ax.plot(xs, ys, "s--", color="black", label="TRL GRPOTrainer (sync, HF generate)")
+            ax.plot(
+                xs,
+                ys,
+                "s--",
+                color="black" if len(drawn_trl) == 1 else "grey",
+                label=f"TRL GRPOTrainer {precision_label(sides['trl'])}",
+            )
     _finish(fig, ax, path, fontsize=8)
 
 
@@ -482,7 +508,8 @@ def plot(sides: dict[str, dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, side in sides.items():
         curve = side["curve"]
-        ax.plot([p["training_s"] for p in curve], [p["accuracy"] for p in curve], "o-", label=labels[name])
+        label = f"{labels[name]}, {precision_label(side)}"
+        ax.plot([p["training_s"] for p in curve], [p["accuracy"] for p in curve], "o-", label=label)
     _finish(fig, ax, path)
 
 
@@ -497,6 +524,14 @@ def main() -> None:
     parser.add_argument("--snapshot-every", type=int, default=4, help="optimizer steps between snapshots")
     parser.add_argument("--max-steps", type=int, default=0, help="cap both sides' optimizer steps (0: one epoch)")
     parser.add_argument("--reward", default=None, help="reward import path (default: accuracy; tiny: partial credit)")
+    parser.add_argument(
+        "--precision", choices=["32-true", "bf16-mixed"], default="32-true",
+        help="both sides' training precision: fp32, or fp32 weights under bf16 autocast (TRL: bf16=True)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--generator-dtype", choices=["none", "auto", "float32", "bfloat16"], default="none",
+        help="our embedded generator's dtype (GRPODataModule's generator_dtype; none: the policy's)",
+    )  # fmt: skip
     parser.add_argument("--sides", nargs="+", choices=["ours", "trl"], default=["ours", "trl"])
     parser.add_argument("--out", default=None, help="output folder (default: runs/learning/<time>)")
     parser.add_argument("--keep-snapshots", action="store_true")
@@ -554,7 +589,16 @@ def main() -> None:
         (out / "race.json").write_text(json.dumps(sides, indent=2))
 
 
-_FORWARDED = ("model", "train_size", "val_size", "snapshot_every", "max_steps", "reward")
+_FORWARDED = (
+    "model",
+    "train_size",
+    "val_size",
+    "snapshot_every",
+    "max_steps",
+    "reward",
+    "precision",
+    "generator_dtype",
+)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ BATCHES = (1, 8, 32, 64)
 PREFILL_ROWS, TRAIN_ROWS = 512, 1024
 BANDWIDTH_BYTES = 256 * 2**20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TRAIN_PRECISIONS = ("32-true", "bf16-mixed")  # Lightning's names: fp32, and fp32 weights under bf16 autocast
 GROUP_SIZE = 8  # completions per prompt in `async_overlap.run_fit`
 
 
@@ -263,8 +264,40 @@ def _prefill_bounds(batch: int, tokens: float, prefill: float, shape: Shape, pea
 
 
 def train_rows(model, shape: Shape, peaks: dict, args: argparse.Namespace) -> list[Row]:
-    """The packed train step's and the reference forward's model-FLOPs utilisation over peak x threads."""
-    from packed_step import make_samples, pack, packed_step  # benchmarks/packed_step.py
+    """The packed train step's and the reference forward's model-FLOPs utilisation over peak x threads, in each of
+    `--train-precisions` (`bf16-mixed` is Lightning's: fp32 weights, the step under CPU autocast to bf16)."""
+    from packed_step import make_samples, pack  # benchmarks/packed_step.py
+
+    samples = make_samples(args.train_groups, shape.vocab)
+    batch = pack(samples)
+    tokens, trained = batch["input_ids"].numel(), batch["token_index"].numel()
+    pairs = int((batch["position_ids"] + 1).sum())  # a trie token attends to its ancestors: depth + 1 keys
+    forward = shape.forward_flops(tokens, trained, pairs)
+    label = f"{args.train_groups} group(s) of 8, {tokens} forwarded / {trained} trained tokens"
+    rows: list[Row] = []
+    for precision in args.train_precisions:
+        train_s, reference_s = _train_and_reference_s(model, samples, batch, args.reps, precision)
+        compute = "bf16" if precision == "bf16-mixed" else dtype_label(model)
+        bounds = [
+            (f"{kind} x {args.threads} thread(s)", g * args.threads) for kind, g in compute_bounds(peaks, compute)
+        ]
+        stages = {
+            ("train step (fwd+bwd)", "train"): 3 * forward / train_s / 1e9,
+            ("reference forward", "reference"): forward / reference_s / 1e9,
+        }
+        rows += [
+            Row(f"{stage}, {label}, {precision}", gflops, bound, "GFLOP/s", kind, group)
+            for (stage, group), gflops in stages.items()
+            for kind, bound in bounds
+        ]
+        gc.collect()
+    return rows
+
+
+def _train_and_reference_s(model, samples: list[dict], batch: dict, reps: int, precision: str) -> tuple[float, float]:
+    """Median seconds of one packed train step of `samples` and of one reference forward of their `batch`, under
+    `precision`."""
+    from packed_step import packed_step
 
     from lightning_grpo.training.attention import use_tree_attention
     from lightning_grpo.training.loss import LossContext
@@ -272,30 +305,22 @@ def train_rows(model, shape: Shape, peaks: dict, args: argparse.Namespace) -> li
 
     policy = use_tree_attention(copy.deepcopy(model)).train()
     policy.config.use_cache = False
-    samples = make_samples(args.train_groups, shape.vocab)
-    batch = pack(samples)
-    tokens, trained = batch["input_ids"].numel(), batch["token_index"].numel()
-    pairs = int((batch["position_ids"] + 1).sum())  # a trie token attends to its ancestors: depth + 1 keys
-    forward = shape.forward_flops(tokens, trained, pairs)
     step, _ = packed_step(policy, samples)
-    train_s = common.median_seconds(step, warmup=1, reps=args.reps)
     reference = ReferenceModel(policy)
     del policy
-    reference_s = common.median_seconds(lambda: reference.logprobs(batch, LossContext()), warmup=1, reps=args.reps)
-    label = f"{args.train_groups} group(s) of 8, {tokens} forwarded / {trained} trained tokens"
-    bounds = [
-        (f"{kind} x {args.threads} thread(s)", g * args.threads)
-        for kind, g in compute_bounds(peaks, dtype_label(model))
-    ]
-    stages = {
-        ("train step (fwd+bwd)", "train"): 3 * forward / train_s / 1e9,
-        ("reference forward", "reference"): forward / reference_s / 1e9,
-    }
-    return [
-        Row(f"{stage}, {label}", gflops, bound, "GFLOP/s", kind, group)
-        for (stage, group), gflops in stages.items()
-        for kind, bound in bounds
-    ]
+
+    def under_precision(run):
+        def timed() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+                run()
+
+        return timed
+
+    train_s = common.median_seconds(under_precision(step), warmup=1, reps=reps)
+    forward_s = common.median_seconds(
+        under_precision(lambda: reference.logprobs(batch, LossContext())), warmup=1, reps=reps
+    )
+    return train_s, forward_s
 
 
 def push_row(model, shape: Shape, peaks: dict, args: argparse.Namespace) -> list[Row]:
@@ -510,6 +535,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed at each batch")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions of each stage (median), after one warm-up")
     p.add_argument("--peak-seconds", type=float, default=0.2, help="least time spent timing each peak product")
+    p.add_argument(
+        "--train-precisions", nargs="+", choices=TRAIN_PRECISIONS, default=list(TRAIN_PRECISIONS),
+        help="Lightning precisions of the packed train step and the reference forward, each measured",
+    )  # fmt: skip
     p.add_argument("--train-groups", type=int, default=2, help="groups of 8 in the packed train step")
     p.add_argument("--reward-groups", type=int, default=100, help="groups of 8 completions scored")
     p.add_argument("--reward-workers", type=int, default=1, help="the pool's processes (the data module's default)")

@@ -70,6 +70,7 @@ _EXPORTS = {
     "StepReplay": "training.replay",
     "GRPOModule": "module",
     "StepMetrics": "training.step_metrics",
+    "AutoPrecision": "training.auto_precision",
     "GRPODataModule": "datamodule",
     "export_policy": "cli.export",
 }
@@ -103,6 +104,7 @@ if TYPE_CHECKING:
     from .scoring.step import score_step
     from .serving.vllm_server import VLLMServer
     from .training.attention import register_tree_attention
+    from .training.auto_precision import AutoPrecision
     from .training.loss import grpo_loss, policy_loss
     from .training.loss_options import LossOptions
     from .training.reference import ReferenceModel, ReferencePolicy

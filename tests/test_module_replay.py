@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.replay import fit_replay, planned_steps, tiny_contract
+from helpers.replay import fit_replay, planned_steps, replay_steps, tiny_contract
 from helpers.tiny import rollout_group
 
 from lightning_grpo.models import tiny_llama
@@ -64,25 +64,6 @@ def test_a_truncated_sampling_distribution_is_the_one_the_trainer_scores_so_the_
     fit_replay(GRPOModule("tiny-random"), steps, tiny_contract(top_k=20, top_p=0.8), callbacks=[recorder])
     assert recorder.steps[0]["ratio"] == pytest.approx(1.0, abs=1e-5)
     assert recorder.steps[0]["sampling/sampling_logp_difference/max"] < 1e-4
-
-
-def replay_groups(steps: int, per_step: int = 2) -> list[list]:
-    """`steps` planned steps of `per_step` groups (random generator log-probabilities, signed advantages)."""
-    out = []
-    for s in range(steps):
-        step = []
-        for g in range(per_step):
-            group_id = s * per_step + g
-            group = rollout_group(group_id, 5, [4, 6, 3, 5], seed=group_id, advantage=0.0)
-            for k, sample in enumerate(group):
-                sample.advantage = float((-1) ** (k + g)) * (0.3 + 0.2 * k)
-            step.append(group)
-        out.append(step)
-    return out
-
-
-def replay_steps(steps: int, **kwargs):
-    return [rank[0] for rank in planned_steps(replay_groups(steps), **kwargs)]
 
 
 def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -59,6 +59,11 @@ def test_every_stage_has_a_finite_positive_fraction_of_its_bound(report):
     assert kinds == {"compute", "bandwidth"}  # decode against both bounds
     dtypes = {row["stage"].rsplit(", ", 1)[1] for row in rows if row["group"] == "generator"}
     assert dtypes == {"fp32", "bf16"}  # the generator in each dtype
+    precisions = {row["stage"].rsplit(", ", 1)[1] for row in rows if row["group"] in ("train", "reference")}
+    assert precisions == {"32-true", "bf16-mixed"}  # the train step and the reference forward in each precision
+    autocast = {row["stage"] for row in rows if row["stage"].endswith("bf16-mixed")}
+    against_bf16 = {row["stage"] for row in rows if "bf16 peak" in row["bound_kind"]}
+    assert autocast and autocast <= against_bf16  # autocast's products are held to the bf16 peak
 
 
 @pytest.mark.timeout(300)

@@ -64,3 +64,25 @@ def fit_replay(
     source = ReplaySource(steps, contract or tiny_contract())
     cpu_trainer(**trainer_options).fit(module, datamodule=source, ckpt_path=ckpt_path)
     return source
+
+
+def replay_groups(steps: int, per_step: int = 2) -> list[list]:
+    """`steps` steps' worth of `per_step` groups (random generator log-probabilities, signed advantages)."""
+    from helpers.tiny import rollout_group
+
+    out = []
+    for s in range(steps):
+        step = []
+        for g in range(per_step):
+            group_id = s * per_step + g
+            group = rollout_group(group_id, 5, [4, 6, 3, 5], seed=group_id, advantage=0.0)
+            for k, sample in enumerate(group):
+                sample.advantage = float((-1) ** (k + g)) * (0.3 + 0.2 * k)
+            step.append(group)
+        out.append(step)
+    return out
+
+
+def replay_steps(steps: int, **kwargs) -> list[StepBatch]:
+    """`replay_groups(steps)` as rank 0's planned `StepBatch`es (`planned_steps`' options)."""
+    return [rank[0] for rank in planned_steps(replay_groups(steps), **kwargs)]

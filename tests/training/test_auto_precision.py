@@ -1,0 +1,100 @@
+"""`AutoPrecision` (`lightning_grpo.training.auto_precision`): bf16-mixed where the probe says bf16 products are
+faster, 32-true where not, decided under a real `Trainer.fit` (replayed steps, no rollout child).
+
+The probe's verdict is replaced in two tests, so that both choices are exercised on any machine; the replacement is a
+real `PrecisionVerdict`, as the probe returns it. One test asks the real probe.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers.replay import fit_replay, replay_steps
+
+import lightning_grpo
+from lightning_grpo.models import precision as probe
+from lightning_grpo.module import GRPOModule
+from lightning_grpo.training.auto_precision import AutoPrecision, choose_precision
+
+
+def verdict(dtype: str) -> probe.PrecisionVerdict:
+    faster = dtype == "bfloat16"
+    return probe.PrecisionVerdict(
+        dtype=dtype,
+        bf16_speedup=3.0 if faster else 0.06,
+        fp32_gflops=90.0,
+        bf16_gflops=270.0 if faster else 5.4,
+        bf16_hardware="AVX512_BF16" if faster else "",
+        reason="bf16 3.0x faster than fp32 here (AVX512_BF16)" if faster else "bf16 16.7x slower than fp32 here",
+        key="test",
+    )
+
+
+@pytest.fixture(params=["bfloat16", "float32"])
+def probed(request, monkeypatch):
+    monkeypatch.setattr(probe, "probe_matmul_precision", lambda *a, **k: verdict(request.param))
+    return request.param
+
+
+class AutocastRecorder(pl.Callback):
+    """Whether the policy's forward ran under CPU autocast, and in which dtype, at each training forward."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, torch.dtype]] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        def record(module, inputs) -> None:
+            if module.training:
+                self.seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+
+        pl_module.policy.register_forward_pre_hook(record)
+
+
+def test_choose_precision_follows_the_probe_on_cpu(probed):
+    precision, reason = choose_precision("cpu")
+    assert precision == ("bf16-mixed" if probed == "bfloat16" else "32-true")
+    assert reason == verdict(probed).reason
+
+
+def test_choose_precision_asks_the_real_probe_on_this_machine():
+    precision, reason = choose_precision(torch.device("cpu"))
+    real = probe.probe_matmul_precision()
+    assert precision == ("bf16-mixed" if real.dtype == "bfloat16" else "32-true") and reason == real.reason
+
+
+@pytest.mark.timeout(120)
+def test_a_fit_trains_under_autocast_exactly_when_bf16_was_chosen(probed, caplog):
+    plugin, recorder = AutoPrecision(), AutocastRecorder()
+    assert plugin.precision == "32-true"  # until the fit decides
+    with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
+        fit_replay(
+            GRPOModule("tiny-random", learning_rate=1e-2), replay_steps(2), plugins=[plugin], callbacks=[recorder]
+        )
+    chosen = "bf16-mixed" if probed == "bfloat16" else "32-true"
+    assert plugin.precision == chosen and plugin.reason == verdict(probed).reason
+    assert recorder.seen and set(recorder.seen) == (
+        {(True, torch.bfloat16)} if probed == "bfloat16" else {(False, torch.bfloat16)}
+    )
+    assert f"AutoPrecision: training in {chosen} ({verdict(probed).reason})" in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_bf16_chosen_trains_exactly_as_lightnings_bf16_mixed(monkeypatch):
+    """The same replayed steps give bit-identical weights under `AutoPrecision` (bf16 chosen) and under
+    `precision="bf16-mixed"`: the plugin is Lightning's mixed precision, not a variant of it."""
+    monkeypatch.setattr(probe, "probe_matmul_precision", lambda *a, **k: verdict("bfloat16"))
+    trained = []
+    for options in ({"plugins": [AutoPrecision()]}, {"precision": "bf16-mixed"}):
+        module = GRPOModule("tiny-random", learning_rate=1e-2)
+        fit_replay(module, replay_steps(2), **options)
+        trained.append({name: p.detach().clone() for name, p in module.policy.named_parameters()})
+    for name, value in trained[0].items():
+        assert value.dtype == torch.float32, name  # master weights stay fp32
+        torch.testing.assert_close(value, trained[1][name], rtol=0, atol=0, msg=name)
+
+
+def test_the_plugin_is_exported_and_cannot_be_combined_with_a_precision_flag():
+    assert lightning_grpo.AutoPrecision is AutoPrecision
+    with pytest.raises(ValueError, match="Received both `precision=bf16-mixed`"):
+        pl.Trainer(accelerator="cpu", precision="bf16-mixed", plugins=[AutoPrecision()], logger=False)
