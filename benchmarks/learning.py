@@ -47,7 +47,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -57,8 +56,8 @@ from typing import Any
 import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
 import torch  # noqa: E402
 import yaml  # noqa: E402
+from race_report import report, summarize  # noqa: E402
 
-THRESHOLDS = (0.9, 0.95)
 # A random model is never exactly right: for a check on the tiny model both sides get partial credit instead.
 TINY_REWARD = "lightning_grpo.rewards.numeric_closeness"
 
@@ -369,148 +368,6 @@ def _as_list(ids: Any) -> list[int]:
     if ids is None:
         return []
     return [ids] if isinstance(ids, int) else list(ids)
-
-
-# -- the report -------------------------------------------------------------------------------------------------------
-
-
-def first_point(curve: list[dict[str, Any]], threshold: float) -> dict[str, Any] | None:
-    """The first snapshot at or above `threshold` (None: never)."""
-    return next((point for point in curve if point["accuracy"] >= threshold), None)
-
-
-def first_reaching(curve: list[dict[str, Any]], threshold: float) -> float | None:
-    """Training seconds of the first snapshot at or above `threshold` (None: never)."""
-    point = first_point(curve, threshold)
-    return None if point is None else point["training_s"]
-
-
-def report(sides: dict[str, dict[str, Any]], out: Path) -> None:
-    print("\nHeld-out greedy accuracy against training seconds")
-    for name, side in sides.items():
-        points = ", ".join(f"{p['training_s']:.0f}s:{p['accuracy']:.3f}" for p in side["curve"])
-        print(f"  {name} (step: seconds:accuracy): {points}")
-    print("\n| | ours | TRL GRPOTrainer | ours / TRL |\n|---|---|---|---|")
-    for threshold in THRESHOLDS:
-        ours, trl = (first_reaching(sides[n]["curve"], threshold) for n in ("ours", "trl"))
-        ratio = f"{ours / trl:.2f}" if ours is not None and trl is not None else "-"
-        print(f"| first at >= {threshold} held-out (s) | {_fmt(ours)} | {_fmt(trl)} | {ratio} |")
-    for key, label in [("training_s", "training seconds in all"), ("optimizer_steps", "optimizer steps")]:
-        ours, trl = sides["ours"][key], sides["trl"][key]
-        print(f"| {label} | {ours:.0f} | {trl:.0f} | {ours / trl:.2f} |")
-    ours_final, trl_final = sides["ours"]["curve"][-1]["accuracy"], sides["trl"]["curve"][-1]["accuracy"]
-    print(f"| final held-out accuracy | {ours_final:.3f} | {trl_final:.3f} | |")
-    print("\nWhere the training seconds went")
-    for name, side in sides.items():
-        parts = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.0f} s" for k, v in side["breakdown"].items())
-        print(f"  {name}: {parts} (snapshots paused the clock for {side['snapshot_pause_s']:.0f} s)")
-    (out / "race.json").write_text(json.dumps(sides, indent=2))
-    plot(sides, out / "race.png")
-    print(f"\nwrote {out / 'race.json'} and {out / 'race.png'}")
-
-
-def summarize(folders: list[Path], out: Path) -> None:
-    """Each run's time to every threshold and its ratio to its TRL run, the medians of each precision of ours, and a
-    plot of every curve."""
-    runs = [(folder, json.loads((folder / "race.json").read_text())) for folder in folders]
-    print(
-        "| run | ours' precision | steps | s per step | "
-        + " | ".join(f"ours / TRL s to {t} (steps)" for t in THRESHOLDS)
-        + " |"
-    )
-    print("|---|---|---|---|" + "---|" * len(THRESHOLDS))
-    ratios: dict[str, dict[float, list[float]]] = {}
-    for folder, sides in runs:
-        ours, trl = sides["ours"], sides["trl"]
-        label = precision_label(ours)
-        cells = []
-        for threshold in THRESHOLDS:
-            mine, theirs = first_reaching(ours["curve"], threshold), first_reaching(trl["curve"], threshold)
-            if mine is None or theirs is None:
-                cells.append(f"{_fmt(mine)} / {_fmt(theirs)}")
-                continue
-            ratios.setdefault(label, {}).setdefault(threshold, []).append(mine / theirs)
-            step = first_point(ours["curve"], threshold)["step"]
-            cells.append(f"{mine:.0f} / {theirs:.0f} = {mine / theirs:.2f} ({step})")
-        per_step = ours["training_s"] / ours["optimizer_steps"]
-        print(f"| {folder.name} | {label} | {ours['optimizer_steps']} | {per_step:.1f} | " + " | ".join(cells) + " |")
-    medians = {label: {t: statistics.median(r) for t, r in by.items()} for label, by in ratios.items()}
-    for label, by in medians.items():
-        print(f"median ours ({label}) / TRL: " + ", ".join(f"to {t}: {m:.2f}" for t, m in by.items()))
-    out.mkdir(parents=True, exist_ok=True)
-    summary = {"runs": {str(folder): sides for folder, sides in runs}, "median_ratio": medians}
-    (out / "learning_race.json").write_text(json.dumps(summary, indent=2))
-    plot_runs(runs, out / "learning_race.png")
-    print(f"wrote {out / 'learning_race.json'} and {out / 'learning_race.png'}")
-
-
-def precision_label(side: dict[str, Any]) -> str:
-    """A side's training precision, and our generator's dtype where it was set (runs before either was recorded
-    were fp32)."""
-    label = side.get("precision", "32-true")
-    return label + (f", generator {side['generator_dtype']}" if side.get("generator_dtype") else "")
-
-
-def plot_runs(runs: list[tuple[Path, dict[str, Any]]], path: Path) -> None:
-    """Every run's curve of ours, and each distinct TRL curve once."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    drawn_trl: list[list] = []
-    for index, (folder, sides) in enumerate(runs):
-        curve = sides["ours"]["curve"]
-        label = f"lightning_grpo {precision_label(sides['ours'])}, run {index + 1} ({folder.name})"
-        ax.plot([p["training_s"] for p in curve], [p["accuracy"] for p in curve], "o-", color=f"C{index}", label=label)
-        trl = sides["trl"]["curve"]
-        if trl not in drawn_trl:
-            drawn_trl.append(trl)
-            xs, ys = [p["training_s"] for p in trl], [p["accuracy"] for p in trl]
-            ax.plot(
-                xs,
-                ys,
-                "s--",
-                color="black" if len(drawn_trl) == 1 else "grey",
-                label=f"TRL GRPOTrainer {precision_label(sides['trl'])}",
-            )
-    _finish(fig, ax, path, fontsize=8)
-
-
-def _finish(fig: Any, ax: Any, path: Path, **legend: Any) -> None:
-    """The thresholds, axes and legend of a race plot; saves and closes it."""
-    import matplotlib.pyplot as plt
-
-    for threshold in THRESHOLDS:
-        ax.axhline(threshold, color="grey", lw=0.6, ls="--")
-    ax.set_xlabel("training seconds")
-    ax.set_ylabel("held-out greedy accuracy")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", **legend)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _fmt(seconds: float | None) -> str:
-    return "never" if seconds is None else f"{seconds:.0f}"
-
-
-def plot(sides: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = {"ours": "lightning_grpo (async, embedded generator)", "trl": "TRL GRPOTrainer (sync, HF generate)"}
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, side in sides.items():
-        curve = side["curve"]
-        label = f"{labels[name]}, {precision_label(side)}"
-        ax.plot([p["training_s"] for p in curve], [p["accuracy"] for p in curve], "o-", label=label)
-    _finish(fig, ax, path)
 
 
 # -- main -------------------------------------------------------------------------------------------------------------

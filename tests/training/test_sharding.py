@@ -75,7 +75,10 @@ def test_fsdp2_on_two_cpu_ranks_trains_one_policy_equal_to_one_process_and_resum
     initial = dict(generator_parameters(_tiny_policy()))
     moved = max((final[0][name] - initial[name]).abs().max().item() for name in final[0])
     difference = max((final[0][name] - replayed[name]).abs().max().item() for name in final[0])
-    assert moved > 1e-3 and difference <= 1e-6, (difference, moved)
+    # The two runs sum the same gradients in another order (a gloo reduce-scatter vs one process's accumulation);
+    # Adam divides by the gradients' own scale, so fp32 rounding reaches the weights at ~1e-6. A rank that kept its
+    # own gradients would differ by about the learning rate (1e-3) per step.
+    assert moved > 1e-3 and difference <= 1e-5, (difference, moved)
     assert source.transfer.sent_versions == [None] * (len(source.steps) + 1)  # TRL's protocol carries no version
 
 
