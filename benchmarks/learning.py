@@ -34,6 +34,7 @@ reward scoring, the rest of `training_step` (the loss's forward and backward, to
     python benchmarks/learning.py --model tiny-random --train-size 8 --val-size 8     # a check of the plumbing
     python benchmarks/learning.py --sides ours --reuse runs/learning/<earlier>        # ours again, same TRL run
     python benchmarks/learning.py --sides ours --precision bf16-mixed --generator-dtype bfloat16 --reuse <earlier>
+    python benchmarks/learning.py --precision auto --generator-dtype auto     # what this machine is fastest at
     python benchmarks/learning.py --summarize runs/learning/<a> runs/learning/<b> --out docs/    # several runs
 
 How many steps a run needs to reach 0.9 varies from run to run (sampling, and for ours the asynchronous schedule's
@@ -119,7 +120,7 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     import pandas as pd
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_grpo import GRPODataModule, GRPOModule
+    from lightning_grpo import AutoPrecision, GRPODataModule, GRPOModule
     from lightning_grpo.cli.main_job import DEFAULT_CONFIG
 
     config = yaml.safe_load(Path(DEFAULT_CONFIG).read_text())
@@ -147,8 +148,9 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         def on_train_end(self, trainer, pl_module) -> None:
             snapshots.maybe_save(pl_module.policy, trainer.global_step, last=True)
 
+    precision = {"plugins": [AutoPrecision()]} if args.precision == "auto" else {"precision": args.precision}
     trainer = common.quiet_cpu_trainer(
-        precision=args.precision,
+        **precision,
         max_steps=args.max_steps or -1,
         logger=CSVLogger(out, name="metrics", version=0),
         callbacks=[SnapshotCallback()],
@@ -176,10 +178,15 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "snapshot_pause_s": round(snapshots.paused_s, 2),
         "wall_s": round(wall, 2),
         "breakdown": breakdown,
-        "precision": args.precision,
+        "precision": _chosen(args.precision, trainer.precision_plugin.precision),
         "generator_dtype": data.get("generator_dtype"),
         "note": "generation runs in the rollout process, overlapping the trainer's time",
     }
+
+
+def _chosen(requested: str, precision: str) -> str:
+    """The precision a side trained in, and that it was chosen for the machine where it was."""
+    return f"auto: {precision}" if requested == "auto" else precision
 
 
 # -- TRL's side -------------------------------------------------------------------------------------------------------
@@ -209,9 +216,11 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from lightning_grpo.cli.main_job import DEFAULT_CONFIG
     from lightning_grpo.data.sources import load_prompts
     from lightning_grpo.models import load_policy, load_tokenizer
+    from lightning_grpo.training.auto_precision import choose_precision
 
     config = yaml.safe_load(Path(DEFAULT_CONFIG).read_text())
     data, hp = config["data"], config["model"]
+    precision = choose_precision("cpu")[0] if args.precision == "auto" else args.precision
     torch.manual_seed(config["seed_everything"])
     model = load_policy(args.model, dtype=getattr(torch, hp.get("dtype", "float32")))
     tokenizer = load_tokenizer(args.model)
@@ -247,7 +256,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     trl_config = GRPOConfig(
         output_dir=str(out / "trl_output"),
         use_cpu=True,
-        bf16=args.precision == "bf16-mixed",  # autocast with fp32 weights, as Lightning's bf16-mixed
+        bf16=precision == "bf16-mixed",  # autocast with fp32 weights, as Lightning's bf16-mixed
         gradient_checkpointing=False,
         per_device_train_batch_size=data["samples_per_row"],
         gradient_accumulation_steps=data["gradient_accumulation_steps"],
@@ -295,7 +304,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "snapshots": snapshots.taken,
         "optimizer_steps": trainer.state.global_step,
         "prompts_per_step": groups_per_step,
-        "precision": args.precision,
+        "precision": _chosen(args.precision, precision),
         "training_s": training_s,
         "snapshot_pause_s": round(snapshots.paused_s, 2),
         "wall_s": round(wall, 2),
@@ -382,8 +391,9 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=0, help="cap both sides' optimizer steps (0: one epoch)")
     parser.add_argument("--reward", default=None, help="reward import path (default: accuracy; tiny: partial credit)")
     parser.add_argument(
-        "--precision", choices=["32-true", "bf16-mixed"], default="32-true",
-        help="both sides' training precision: fp32, or fp32 weights under bf16 autocast (TRL: bf16=True)",
+        "--precision", choices=["32-true", "bf16-mixed", "auto"], default="32-true",
+        help="both sides' training precision: fp32, or fp32 weights under bf16 autocast (TRL: bf16=True), or auto: "
+        "ours with AutoPrecision, TRL with what it chooses on this machine",
     )  # fmt: skip
     parser.add_argument(
         "--generator-dtype", choices=["none", "auto", "float32", "bfloat16"], default="none",

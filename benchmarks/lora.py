@@ -27,7 +27,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
 import numpy as np  # noqa: E402
@@ -56,24 +58,36 @@ PRECISIONS = ("32-true", "bf16-mixed")
 # -- train: one configuration, in its own process -------------------------------------------------------------------
 
 
-def packed_micro_batches(groups: int, vocab: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """One tree-packed micro-batch per group of GROUP_SIZE samples (a PROMPT-token prompt, 32-64 token completions),
-    with the keys `GRPOModule._micro_batch_loss` reads."""
+def packed_micro_batches(
+    groups: int,
+    vocab: int,
+    seed: int = 0,
+    *,
+    group_size: int = GROUP_SIZE,
+    prompt: int = PROMPT,
+    completions: tuple[int, int] = COMPLETIONS,
+    row_samples: int | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Tree-packed micro-batches of `groups` groups of `group_size` samples (a `prompt`-token prompt, completions of
+    `completions[0]`-`completions[1]` tokens), at most `row_samples` samples of one group per micro-batch (None: a
+    whole group), with the keys `GRPOModule._micro_batch_loss` reads."""
     from trl.experimental.async_grpo.packing import TreeRow
 
     rng = np.random.default_rng(seed)
+    per_row = row_samples or group_size
     rows = []
     for group in range(groups):
-        row = TreeRow()
-        prompt = rng.integers(4, vocab, PROMPT)
-        for _ in range(GROUP_SIZE):
-            completion = rng.integers(4, vocab, rng.integers(COMPLETIONS[0], COMPLETIONS[1] + 1))
-            ids = np.concatenate([prompt, completion]).astype(np.int64)
-            mask = np.r_[np.zeros(PROMPT), np.ones(completion.size)].astype(np.int64)
-            old = (-rng.uniform(0.5, 5.0, ids.size) * mask).astype(np.float32)
-            row.add({"input_ids": ids, "completion_mask": mask, "old_log_probs": old,
-                     "advantage": float(rng.normal()), "group_id": group})  # fmt: skip
-        rows.append(row.pack())
+        shared = rng.integers(4, vocab, prompt)
+        for first in range(0, group_size, per_row):
+            row = TreeRow()
+            for _ in range(min(per_row, group_size - first)):
+                completion = rng.integers(4, vocab, rng.integers(completions[0], completions[1] + 1))
+                ids = np.concatenate([shared, completion]).astype(np.int64)
+                mask = np.r_[np.zeros(prompt), np.ones(completion.size)].astype(np.int64)
+                old = (-rng.uniform(0.5, 5.0, ids.size) * mask).astype(np.float32)
+                row.add({"input_ids": ids, "completion_mask": mask, "old_log_probs": old,
+                         "advantage": float(rng.normal()), "group_id": group})  # fmt: skip
+            rows.append(row.pack())
     total = float(sum(mb["token_index"].numel() for mb in rows))
     for mb in rows:
         mb["step_trained_tokens"] = torch.tensor(total)
@@ -82,13 +96,19 @@ def packed_micro_batches(groups: int, vocab: int, seed: int = 0) -> list[dict[st
 
 def train_worker(model: str, config: TrainConfig, groups: int, warmup: int, steps: int, threads: int) -> dict:
     """Run `warmup + steps` optimizer steps of `config`; returns the step times and the trainable parameter count."""
+    torch.set_num_threads(threads)
+    return timed_steps(model, config, lambda vocab: packed_micro_batches(groups, vocab), warmup, steps)
+
+
+def timed_steps(model: Any, config: TrainConfig, make_batches: Callable, warmup: int, steps: int) -> dict:
+    """`warmup + steps` optimizer steps of `GRPOModule(model)` under `config` on `make_batches(vocab_size)`'s
+    micro-batches; the steps' seconds after the warm-up and the trainable parameter count."""
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
     from peft import LoraConfig
 
     from lightning_grpo.module import GRPOModule
     from lightning_grpo.training.loss import grpo_loss, packed_logprobs
 
-    torch.set_num_threads(threads)
     module = GRPOModule(
         model,
         learning_rate=1e-5,
@@ -99,7 +119,7 @@ def train_worker(model: str, config: TrainConfig, groups: int, warmup: int, step
     optimizer = module.configure_optimizers()["optimizer"]
     plugin = MixedPrecision("bf16-mixed", "cpu") if config.precision == "bf16-mixed" else Precision()
     policy = module.policy
-    micro_batches = packed_micro_batches(groups, policy.config.vocab_size)
+    micro_batches = make_batches(policy.config.vocab_size)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     times = []
     for _ in range(warmup + steps):

@@ -1,6 +1,7 @@
-"""`lightning_grpo/configs/countdown.yaml`: it parses as written (SmolLM2, reasoning-gym's countdown with its
-generator options, its own scorer), and `lightning-grpo fit` starts from it and trains one step, in this process, with
-the tiny model and small overrides (the SmolLM2 recipe itself is too long for a test)."""
+"""`lightning_grpo/configs/countdown.yaml`: it parses as written (the warm start's folder, reasoning-gym's countdown
+with its generator options, its own scorer), its warm start (`lightning-grpo sft`) writes worked countdown
+demonstrations' model, and `lightning-grpo fit` starts from it and trains one step, in this process, with the tiny
+model and small overrides (the SmolLM2 recipe itself is too long for a test)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import math
 import sys
 from importlib.resources import files
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -31,7 +33,7 @@ def test_countdown_config_parses_with_smollm2_the_task_options_and_its_scorer(ca
         main(["fit", "--config", COUNTDOWN, "--print_config"])
     assert exit_info.value.code in (0, None)
     config = yaml.safe_load(capsys.readouterr().out)
-    assert config["model"]["model"] == "smollm2-135m-instruct"
+    assert config["model"]["model"] == "runs/countdown/warm_start"
     assert config["data"]["dataset"] == "reasoning_gym:countdown"
     assert config["data"]["dataset_options"]["max_numbers"] == 3
     assert config["data"]["reward_funcs"] == ["lightning_grpo.rewards.reasoning_gym"]
@@ -40,6 +42,21 @@ def test_countdown_config_parses_with_smollm2_the_task_options_and_its_scorer(ca
     rows = built.datamodule.train_prompts
     assert all(len(json.loads(metadata)["numbers"]) == 3 for metadata in rows["metadata"])
     assert len(built.datamodule.val_prompts) == 64
+
+
+@pytest.mark.timeout(300)
+def test_the_warm_start_trains_on_worked_countdown_demonstrations_and_writes_the_folder(tmp_path, in_process):
+    from lightning_grpo.sft.command import main as sft
+
+    sft_section = yaml.safe_load(Path(COUNTDOWN).read_text())["sft"]
+    assert sft_section["demonstration"].endswith("reasoning_gym_demonstrations.countdown_demonstration")
+    out = tmp_path / "warm_start"
+    args = ["--sft.base_model", "tiny-random", "--sft.num_demonstrations", "4", "--sft.output_dir", str(out)]
+    assert sft(["--config", COUNTDOWN, *args]) == 0
+    summary = json.loads((out / "warm_start.json").read_text())
+    assert summary["demonstrations"] == 4 and summary["optimizer_steps"] == 1
+    assert summary["options"]["demonstration"] == sft_section["demonstration"]
+    assert (out / "config.json").exists()
 
 
 @pytest.mark.timeout(300)
