@@ -9,13 +9,14 @@ curves) under `--out`.
 
 - ours: the main job, `lightning_grpo/configs/arithmetic.yaml`'s model and data options (SmolLM2-135M-Instruct,
   192 problems, `accuracy`, 8 completions, 4 prompt groups per optimizer step in 2 micro-batches, lr 2e-5 with 4
-  warm-up steps then constant, T=0.7, 64 tokens, clip 0.2, fp32, one epoch, `max_staleness=2`): asynchronous, the
-  embedded generator on one core beside the trainer;
+  warm-up steps then constant, T=0.7, 64 tokens, clip 0.2, one epoch, `max_staleness=2`): asynchronous, the
+  embedded generator on one core beside the trainer; by default in the precision the command chooses here
+  (`--precision auto`: `AutoPrecision`, and the generator's `generator_dtype="auto"`);
 - TRL: `trl.GRPOTrainer` 1.16, synchronous (generate with HF `generate`, then train), `use_cpu=True`, with the same
   settings: `per_device_train_batch_size=16`, `gradient_accumulation_steps=2` (4 prompts x 8 completions per step),
-  `beta=0`, `epsilon=0.2`, `loss_type="dapo"`, fp32 and no gradient checkpointing (GRPOConfig turns both bf16 and
-  gradient checkpointing on by default; ours uses neither), AdamW with our exact warm-up schedule, torch's default
-  threads.
+  `beta=0`, `epsilon=0.2`, `loss_type="dapo"`, no gradient checkpointing (GRPOConfig turns it on by default; ours
+  does not use it), `bf16` as our trainer's precision (GRPOConfig's default is bf16=True), AdamW with our exact
+  warm-up schedule, torch's default threads.
 
 The training clock starts when training starts (ours: `on_fit_start`, so it includes spawning the rollout process and
 its first completions; TRL: `on_train_begin`), after the model is loaded, and stops at each snapshot while the policy
@@ -33,8 +34,7 @@ reward scoring, the rest of `training_step` (the loss's forward and backward, to
     python benchmarks/learning.py                  # the full race (SmolLM2; about 50-70 minutes on 2 quiet cores)
     python benchmarks/learning.py --model tiny-random --train-size 8 --val-size 8     # a check of the plumbing
     python benchmarks/learning.py --sides ours --reuse runs/learning/<earlier>        # ours again, same TRL run
-    python benchmarks/learning.py --sides ours --precision bf16-mixed --generator-dtype bfloat16 --reuse <earlier>
-    python benchmarks/learning.py --precision auto --generator-dtype auto     # what this machine is fastest at
+    python benchmarks/learning.py --sides ours --precision 32-true --generator-dtype none --reuse <earlier>  # fp32
     python benchmarks/learning.py --summarize runs/learning/<a> runs/learning/<b> --out docs/    # several runs
 
 How many steps a run needs to reach 0.9 varies from run to run (sampling, and for ours the asynchronous schedule's
@@ -127,8 +127,7 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     pl.seed_everything(config["seed_everything"])
     data = {**config["data"], "dataset_size": args.train_size, "val_size": args.val_size}
     data["reward_funcs"] = [args.reward]
-    if args.generator_dtype != "none":
-        data["generator_dtype"] = args.generator_dtype
+    data["generator_dtype"] = None if args.generator_dtype == "none" else args.generator_dtype
     module = GRPOModule(**{**config["model"], "model": args.model})
     datamodule = GRPODataModule(**data)
     snapshots = Snapshots(out / "snapshots", args.snapshot_every)
@@ -391,13 +390,13 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=0, help="cap both sides' optimizer steps (0: one epoch)")
     parser.add_argument("--reward", default=None, help="reward import path (default: accuracy; tiny: partial credit)")
     parser.add_argument(
-        "--precision", choices=["32-true", "bf16-mixed", "auto"], default="32-true",
-        help="both sides' training precision: fp32, or fp32 weights under bf16 autocast (TRL: bf16=True), or auto: "
-        "ours with AutoPrecision, TRL with what it chooses on this machine",
+        "--precision", choices=["32-true", "bf16-mixed", "auto"], default="auto",
+        help="both sides' training precision: fp32, or fp32 weights under bf16 autocast (TRL: bf16=True), or auto "
+        "(the command's default): ours with AutoPrecision, TRL with what AutoPrecision chooses on this machine",
     )  # fmt: skip
     parser.add_argument(
-        "--generator-dtype", choices=["none", "auto", "float32", "bfloat16"], default="none",
-        help="our embedded generator's dtype (GRPODataModule's generator_dtype; none: the policy's)",
+        "--generator-dtype", choices=["none", "auto", "float32", "bfloat16"], default="auto",
+        help="our embedded generator's dtype (GRPODataModule's generator_dtype, default auto; none: the policy's)",
     )  # fmt: skip
     parser.add_argument("--sides", nargs="+", choices=["ours", "trl"], default=["ours", "trl"])
     parser.add_argument("--out", default=None, help="output folder (default: runs/learning/<time>)")

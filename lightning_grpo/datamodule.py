@@ -135,9 +135,9 @@ class GRPODataModule(pl.LightningDataModule):
         heartbeat_timeout: seconds without a heartbeat from the rollout child before it counts as hung.
         child_ready_timeout: seconds to wait for the child to load the policy and start.
         generator_threads: torch threads of the embedded generator (None: torch's default), or of each replica.
-        generator_dtype: the embedded generator's weights and KV cache: None, the policy's dtype; `"bfloat16"` or
-            `"float32"`; `"auto"`, bf16 where this CPU multiplies it faster (`models.precision`). Its logprobs are
-            those it sampled by; `GRPOModule(vllm_importance_sampling_correction=True)` corrects the mismatch.
+        generator_dtype: the embedded generator's weights and KV cache: `"auto"`, bf16 where this CPU multiplies it
+            faster (`models.precision`), else the policy's dtype; `"bfloat16"`, `"float32"`, or None (the policy's).
+            It samples by its own logprobs: train with `AutoPrecision`, or correct with `vllm_importance_sampling_*`.
         generator_replicas: embedded generator processes, each on `generator_threads` cores of its own (when the
             machine has them): each group is sampled on one, picked by load, every weight push reaches all, and one
             that dies fails the run naming it (see `lightning_grpo.rollout.replicas`). 1: the generator runs in the
@@ -214,7 +214,7 @@ class GRPODataModule(pl.LightningDataModule):
         heartbeat_timeout: float = 300.0,
         child_ready_timeout: float = 300.0,
         generator_threads: int | None = 1,
-        generator_dtype: Literal["auto", "float32", "bfloat16"] | None = None,
+        generator_dtype: Literal["auto", "float32", "bfloat16"] | None = "auto",
         generator_replicas: int = 1,
         trainer_threads: int | Literal["auto"] | None = "auto",
         val_batch_size: int = 16,

@@ -7,6 +7,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The precision the machine is fastest at decides `generator_dtype="auto"` and `AutoPrecision` (the defaults); the
+# suite pins fp32 so that what it asserts (exact logprobs, replayed weights) holds on every CPU. The tests of the
+# choice itself unset it (`unpinned_precision`).
+os.environ["LIGHTNING_GRPO_PRECISION"] = "float32"
 
 import pytest  # noqa: E402
 from helpers.processes import describe, live_children, wait_no_children  # noqa: E402
@@ -35,6 +39,12 @@ def transfer(tiny_model):
     transfer = SharedMemoryWeightTransfer(tiny_model)
     yield transfer
     transfer.destroy()
+
+
+@pytest.fixture
+def unpinned_precision(monkeypatch):
+    """The machine's own precision verdict (the probe), not the suite's fp32 pin."""
+    monkeypatch.delenv("LIGHTNING_GRPO_PRECISION", raising=False)
 
 
 @pytest.fixture

@@ -53,6 +53,9 @@ def test_bad_generation_options_are_reported_together_with_their_values():
         GRPODataModule(model="tiny-random", generator_dtype="fp16")
     with pytest.raises(ValueError, match=r"generator_dtype='bfloat16' with generator='vllm'.*its own `--dtype`"):
         GRPODataModule(model="tiny-random", generator="vllm", generator_dtype="bfloat16")
+    # the default, "auto", leaves a vLLM server's dtype to the server
+    assert GRPODataModule(model="tiny-random").hparams.generator_dtype == "auto"
+    assert GRPODataModule(model="tiny-random", generator="vllm").hparams.generator_dtype == "auto"
 
 
 def test_a_group_that_can_never_fit_a_step_fails_at_set_up_naming_the_knob(no_leaked_processes):

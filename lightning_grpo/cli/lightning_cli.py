@@ -135,10 +135,15 @@ class GRPOLightningCLI(LightningCLI):
                 raise ValueError(str(error)) from error
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """The trainer, with `GRPOProgressBar` unless the config has a progress bar or turns it off."""
+        """The trainer, with `GRPOProgressBar` unless the config has a progress bar or turns it off, and
+        `AutoPrecision` unless it sets `trainer.precision` or a precision plugin (or a sharded strategy)."""
+        config = self.config_init.get(self.subcommand, self.config_init) if self.subcommand else self.config_init
+        trainer_config = config.get("trainer") or {}
+        if "plugins" not in kwargs and _chooses_no_precision(trainer_config):
+            from ..training.auto_precision import AutoPrecision
+
+            kwargs["plugins"] = [*_as_list(trainer_config.get("plugins")), AutoPrecision()]
         if "callbacks" not in kwargs:
-            config = self.config_init.get(self.subcommand, self.config_init) if self.subcommand else self.config_init
-            trainer_config = config.get("trainer") or {}
             callbacks = trainer_config.get("callbacks") or []
             callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
             wants_bar = trainer_config.get("enable_progress_bar") is not False
@@ -147,6 +152,23 @@ class GRPOLightningCLI(LightningCLI):
 
                 kwargs["callbacks"] = [*callbacks, GRPOProgressBar()]
         return super().instantiate_trainer(**kwargs)
+
+
+def _chooses_no_precision(trainer_config: dict[str, Any]) -> bool:
+    """No precision given, and a strategy `AutoPrecision` serves (sharded ones need their own precision plugin)."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    plugins = _as_list(trainer_config.get("plugins"))
+    strategy = trainer_config.get("strategy")
+    name = (strategy if isinstance(strategy, str) else type(strategy).__name__).lower().replace("_", "")
+    sharded = any(word in name for word in ("fsdp", "deepspeed", "modelparallel"))
+    return (
+        trainer_config.get("precision") is None and not sharded and not any(isinstance(p, Precision) for p in plugins)
+    )
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
 
 
 def _policy_name(model: Any) -> str | None:

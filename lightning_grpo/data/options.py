@@ -101,10 +101,10 @@ def _generator_dtype_problems(hp: Any) -> list[str]:
     choice = hp.generator_dtype
     if choice is not None and choice not in GENERATOR_DTYPES:
         return [f"generator_dtype={choice!r} (one of {', '.join(map(repr, GENERATOR_DTYPES))}, or None: the policy's)"]
-    if choice is not None and hp.generator != "embedded":
+    if choice not in (None, "auto") and hp.generator != "embedded":
         return [
             f"generator_dtype={choice!r} with generator={hp.generator!r} (it sets the embedded generator's dtype; a "
-            "vLLM server's is its own `--dtype`: leave generator_dtype=None)"
+            "vLLM server's is its own `--dtype`: leave generator_dtype='auto' or None)"
         ]
     return []
 

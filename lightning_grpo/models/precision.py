@@ -13,9 +13,12 @@ microseconds and a new CPU or torch probes again.
     >>> verdict.dtype, verdict.reason  # doctest: +SKIP
     ('bfloat16', 'bf16 4.3x faster than fp32 here (AVX512_BF16)')
 
-`GRPODataModule(generator_dtype="auto")` runs the embedded generator in the verdict's dtype
-(`resolve_generator_dtype`); nothing else uses it by default (learning, not the kernel timing, decides whether bf16
-is good enough for a run).
+`GRPODataModule(generator_dtype="auto")` (the default) runs the embedded generator in the verdict's dtype
+(`resolve_generator_dtype`), and `AutoPrecision` (the `lightning-grpo` command's default precision) trains in
+bf16-mixed where it says bf16. The learning race (`benchmarks/learning.py`) checks that bf16 learns as well as fp32.
+
+`LIGHTNING_GRPO_PRECISION=float32` (or `bfloat16`) in the environment sets the verdict without probing: the same
+choice on every node of a cluster whose machines differ, or fp32 everywhere for bit-for-bit comparisons.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ _BF16_FLAGS = {"amx_bf16": "AMX_BF16", "avx512_bf16": "AVX512_BF16", "bf16": "BF
 DType = Literal["float32", "bfloat16"]
 #: What `GRPODataModule(generator_dtype=...)` takes besides None (the policy's own dtype).
 GENERATOR_DTYPES = ("auto", "float32", "bfloat16")
+#: The environment variable that sets the verdict without probing ("float32" or "bfloat16").
+PRECISION_ENV = "LIGHTNING_GRPO_PRECISION"
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class PrecisionVerdict:
         bf16_hardware: the CPU flag that makes bf16 fast ("AVX512_BF16", "AMX_BF16", "BF16"), or "" when none.
         reason: one line for a start-up log, e.g. "bf16 4.4x faster than fp32 here (AVX512_BF16)".
         key: the cache key (CPU model, flags, torch version and capability); a different key probes again.
+            "environment" when `LIGHTNING_GRPO_PRECISION` set the verdict.
         from_cache: whether this verdict was read back rather than measured now.
     """
 
@@ -139,8 +145,14 @@ def probe_matmul_precision(cache_dir: str | Path | None = None, *, refresh: bool
 
     Returns:
         The `PrecisionVerdict`. The timing runs on one thread (restored afterwards), as the embedded generator runs;
-        an unreadable or stale cache file is probed again, never an error.
+        an unreadable or stale cache file is probed again, never an error. With `LIGHTNING_GRPO_PRECISION` set, the
+        verdict it names, unmeasured (its speeds are 0).
+
+    Raises:
+        ValueError: `LIGHTNING_GRPO_PRECISION` is set to something else than "float32" or "bfloat16".
     """
+    if (pinned := os.environ.get(PRECISION_ENV)) is not None:
+        return _pinned_verdict(pinned)
     signature = cpu_signature()
     key = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "precision"
@@ -150,6 +162,15 @@ def probe_matmul_precision(cache_dir: str | Path | None = None, *, refresh: bool
     verdict = _measure(signature, key)
     _write(path, verdict)
     return verdict
+
+
+def _pinned_verdict(value: str) -> PrecisionVerdict:
+    if value not in ("float32", "bfloat16"):
+        raise ValueError(
+            f"{PRECISION_ENV}={value!r}: set it to 'float32' or 'bfloat16', or unset it to let the CPU be probed."
+        )
+    reason = f"{PRECISION_ENV}={value} in the environment"
+    return PrecisionVerdict(value, 1.0, 0.0, 0.0, "", reason, "environment")  # type: ignore[arg-type]
 
 
 def _measure(signature: dict[str, str], key: str) -> PrecisionVerdict:
@@ -204,8 +225,8 @@ def _write(path: Path, verdict: PrecisionVerdict) -> None:
 def resolve_generator_dtype(choice: str | None, policy_dtype: torch.dtype) -> tuple[str, str]:
     """The embedded generator's dtype for `GRPODataModule(generator_dtype=choice)`, and why, in words for the log.
 
-    None keeps the policy's dtype; "float32" or "bfloat16" is taken as given; "auto" is `probe_matmul_precision`'s
-    verdict (bf16 only where its products are faster here).
+    None keeps the policy's dtype; "float32" or "bfloat16" is taken as given; "auto" is bf16 where
+    `probe_matmul_precision` finds its products faster here, else the policy's dtype.
 
     Raises:
         ValueError: a `choice` outside `GENERATOR_DTYPES` and None.
@@ -218,4 +239,5 @@ def resolve_generator_dtype(choice: str | None, policy_dtype: torch.dtype) -> tu
     if choice != "auto":
         return choice, f"generator_dtype={choice!r}"
     verdict = probe_matmul_precision()
-    return verdict.dtype, f"generator_dtype='auto': {verdict.reason}"
+    dtype = "bfloat16" if verdict.dtype == "bfloat16" else str(policy_dtype).removeprefix("torch.")
+    return dtype, f"generator_dtype='auto': {verdict.reason}"

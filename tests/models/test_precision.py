@@ -10,6 +10,8 @@ import torch
 from lightning_grpo.models import precision
 from lightning_grpo.models.precision import MIN_SPEEDUP, probe_matmul_precision
 
+pytestmark = pytest.mark.usefixtures("unpinned_precision")  # the probe itself, not the suite's fp32 pin
+
 
 def test_the_probe_names_a_dtype_by_its_measured_speeds_and_says_why(tmp_path):
     threads = torch.get_num_threads()
@@ -98,5 +100,31 @@ def test_the_generator_dtype_is_the_policys_the_one_named_or_the_probes_verdict(
         verdict.dtype,
         f"generator_dtype='auto': {verdict.reason}",
     )
+    # where bf16 is not faster, "auto" keeps the policy's dtype (a bf16 policy is not widened to fp32)
+    monkeypatch.setenv("LIGHTNING_GRPO_PRECISION", "float32")
+    assert resolve_generator_dtype("auto", torch.bfloat16)[0] == "bfloat16"
+    assert resolve_generator_dtype("auto", torch.float32)[0] == "float32"
     with pytest.raises(ValueError, match=r"generator_dtype='fp16' is not one of \('auto', 'float32', 'bfloat16'\)"):
         resolve_generator_dtype("fp16", torch.float32)
+
+
+@pytest.mark.parametrize("pinned", ["float32", "bfloat16"])
+def test_the_environment_pins_the_verdict_without_timing(pinned, tmp_path, monkeypatch):
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a pinned verdict was timed")
+
+    monkeypatch.setattr(precision, "matmul_gflops", no_timing)
+    monkeypatch.setenv("LIGHTNING_GRPO_PRECISION", pinned)
+    verdict = probe_matmul_precision(tmp_path)
+    assert (verdict.dtype, verdict.key, verdict.reason) == (
+        pinned,
+        "environment",
+        f"LIGHTNING_GRPO_PRECISION={pinned} in the environment",
+    )
+    assert list(tmp_path.iterdir()) == []  # nothing cached: unset, the probe runs
+
+
+def test_a_bad_pinned_value_names_it_and_the_choices(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_GRPO_PRECISION", "fp16")
+    with pytest.raises(ValueError, match=r"LIGHTNING_GRPO_PRECISION='fp16': set it to 'float32' or 'bfloat16'"):
+        probe_matmul_precision()

@@ -57,7 +57,7 @@ def test_choose_precision_follows_the_probe_on_cpu(probed):
     assert reason == verdict(probed).reason
 
 
-def test_choose_precision_asks_the_real_probe_on_this_machine():
+def test_choose_precision_asks_the_real_probe_on_this_machine(unpinned_precision):
     precision, reason = choose_precision(torch.device("cpu"))
     real = probe.probe_matmul_precision()
     assert precision == ("bf16-mixed" if real.dtype == "bfloat16" else "32-true") and reason == real.reason
@@ -98,3 +98,22 @@ def test_the_plugin_is_exported_and_cannot_be_combined_with_a_precision_flag():
     assert lightning_grpo.AutoPrecision is AutoPrecision
     with pytest.raises(ValueError, match="Received both `precision=bf16-mixed`"):
         pl.Trainer(accelerator="cpu", precision="bf16-mixed", plugins=[AutoPrecision()], logger=False)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pinned", ["bfloat16", "float32"])
+def test_the_command_trains_in_the_machines_precision_unless_the_config_chooses_one(pinned, monkeypatch, tmp_path):
+    """`lightning-grpo` adds `AutoPrecision` when neither `trainer.precision` nor a precision plugin is given (the
+    verdict pinned by `LIGHTNING_GRPO_PRECISION`, so both choices run on any machine); a precision given wins."""
+    from lightning_grpo.cli import cli
+
+    monkeypatch.setenv("LIGHTNING_GRPO_PRECISION", pinned)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["lightning-grpo"])  # LightningCLI warns when it gets both args and argv
+    base = ["--model.model", "tiny-random", "--trainer.logger", "false", "--trainer.accelerator", "cpu"]
+    command = cli(base, run=False)
+    (plugin,) = [p for p in [command.trainer.precision_plugin] if isinstance(p, AutoPrecision)]
+    assert plugin.decide("cpu") == ("bf16-mixed" if pinned == "bfloat16" else "32-true")
+    assert "LIGHTNING_GRPO_PRECISION=" + pinned in plugin.reason
+    chosen = cli([*base, "--trainer.precision", "32-true"], run=False).trainer.precision_plugin
+    assert not isinstance(chosen, AutoPrecision) and type(chosen).__name__ == "Precision"
