@@ -13,7 +13,8 @@ error instead of swapping or waking the OOM killer; the table says "does not fit
   precision `AutoPrecision` chooses here, `--train-threads` threads; the median step after the warm-up;
 - rollout process: the embedded generator in the dtype `generator_dtype="auto"` chooses here, on `--gen-threads`
   threads, sampling the same step's completions (the groups' prompts prefilled once each, up to 64 in flight): its
-  seconds for the step's tokens and its peak memory (weights and KV cache);
+  seconds for the step's tokens and its peak memory (weights and KV cache), once per shape (the training mode does
+  not change it);
 - an asynchronous step takes about the larger of the two when each has its own cores, as `trainer_threads="auto"`
   splits them (the rollout child's 1 core beside the trainer's 1 on 2 cores).
 
@@ -170,10 +171,20 @@ def measure(args: argparse.Namespace, policy: str, mode: str, groups: int, group
     trainer = run_worker("trainer", {**shape, "lora": lora, "checkpointing": checkpointing, "threads": args.train_threads,
                                      "row_samples": args.row_samples, "warmup": args.warmup, "steps": args.steps},
                          args.memory_gib)  # fmt: skip
-    rollout = run_worker("rollout", {**shape, "threads": args.gen_threads}, args.memory_gib)
+    rollout = _rollout(args, tuple(shape.items()))
     fits = trainer["fits"] and rollout["fits"] and trainer["peak_gib"] + rollout["peak_gib"] <= args.memory_gib
     step = max(trainer.get("seconds", float("inf")), rollout.get("seconds", float("inf")))
     return {**shape, "mode": mode, "trainer": trainer, "rollout": rollout, "fits": fits, "async_step_s": step}
+
+
+_ROLLOUTS: dict[tuple, dict[str, Any]] = {}
+
+
+def _rollout(args: argparse.Namespace, shape: tuple) -> dict[str, Any]:
+    """The rollout process on `shape` (the same for every training mode: measured once)."""
+    if shape not in _ROLLOUTS:
+        _ROLLOUTS[shape] = run_worker("rollout", {**dict(shape), "threads": args.gen_threads}, args.memory_gib)
+    return _ROLLOUTS[shape]
 
 
 def print_row(row: dict[str, Any]) -> None:
@@ -277,7 +288,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--group-sizes", nargs="+", type=int, default=[4, 8, 16, 32])
     p.add_argument("--skip-sweeps", action="store_true", help="only the policy x mode table")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=1, help="timed steps (the median) after the warm-up")
     p.add_argument("--train-threads", type=int, default=1, help="the trainer's share of a 2-core machine")
     p.add_argument("--gen-threads", type=int, default=1, help="the rollout child's share")
     p.add_argument("--memory-gib", type=float, default=available, help=f"memory a run may use ({available:.1f})")
