@@ -125,10 +125,10 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
     config = yaml.safe_load(Path(DEFAULT_CONFIG).read_text())
     pl.seed_everything(config["seed_everything"])
-    data = {**config["data"], "dataset_size": args.train_size, "val_size": args.val_size}
+    data = {**config["data"], "dataset_size": args.train_size, "val_size": args.val_size, **json.loads(args.ours_data)}
     data["reward_funcs"] = [args.reward]
     data["generator_dtype"] = None if args.generator_dtype == "none" else args.generator_dtype
-    module = GRPOModule(**{**config["model"], "model": args.model})
+    module = GRPOModule(**{**config["model"], "model": args.model, **json.loads(args.ours_model)})
     datamodule = GRPODataModule(**data)
     snapshots = Snapshots(out / "snapshots", args.snapshot_every)
 
@@ -179,6 +179,7 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "breakdown": breakdown,
         "precision": _chosen(args.precision, trainer.precision_plugin.precision),
         "generator_dtype": data.get("generator_dtype"),
+        "overrides": json.loads(args.ours_data) | json.loads(args.ours_model),
         "note": "generation runs in the rollout process, overlapping the trainer's time",
     }
 
@@ -398,6 +399,12 @@ def main() -> None:
         "--generator-dtype", choices=["none", "auto", "float32", "bfloat16"], default="auto",
         help="our embedded generator's dtype (GRPODataModule's generator_dtype, default auto; none: the policy's)",
     )  # fmt: skip
+    parser.add_argument("--ours-model", default="{}", help="JSON of GRPOModule options over the config's, ours only")
+    parser.add_argument(
+        "--ours-data",
+        default="{}",
+        help='JSON of GRPODataModule options over the config\'s, ours only, e.g. {"max_staleness": 1}',
+    )
     parser.add_argument("--sides", nargs="+", choices=["ours", "trl"], default=["ours", "trl"])
     parser.add_argument("--out", default=None, help="output folder (default: runs/learning/<time>)")
     parser.add_argument("--keep-snapshots", action="store_true")
@@ -464,6 +471,8 @@ _FORWARDED = (
     "reward",
     "precision",
     "generator_dtype",
+    "ours_data",
+    "ours_model",
 )
 
 

@@ -30,10 +30,12 @@ def first_reaching(curve: list[dict[str, Any]], threshold: float) -> float | Non
 
 
 def precision_label(side: dict[str, Any]) -> str:
-    """A side's training precision, and our generator's dtype where it was set (runs before either was recorded
-    were fp32)."""
+    """A side's training precision, our generator's dtype where it was set (runs before either was recorded were
+    fp32), and the options a run of ours changed (`--ours-data`, `--ours-model`)."""
     label = side.get("precision", "32-true")
-    return label + (f", generator {side['generator_dtype']}" if side.get("generator_dtype") else "")
+    label += f", generator {side['generator_dtype']}" if side.get("generator_dtype") else ""
+    overrides = side.get("overrides") or {}
+    return label + "".join(f", {key}={value}" for key, value in overrides.items())
 
 
 def report(sides: dict[str, dict[str, Any]], out: Path) -> None:

@@ -10,7 +10,8 @@ slot of every sample of that prompt (one prefill per distinct prompt, whatever t
 The modules are the Hugging Face model's own (embeddings, norms, projections, MLP, rotary embedding, LM head), so
 weights copied into the model in place are used at the next step; the cache and the attention over it are ours, and
 a step of up to `small_matmul.MAX_ROWS` tokens runs the linear layers through the small-batch kernel where it is
-available (same weights, the same products summed in another order). Supported: the families of
+available (same weights, the same products summed in another order); a bf16 model runs them through oneDNN with
+pre-packed weights where this CPU has its bf16 kernels. Supported: the families of
 `architectures.ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3, Gemma 3), whose differences (norm placement, rotary
 embedding per layer type, sliding-window layers) that table holds. A sliding-window layer masks the cache positions
 outside its window; the cache itself keeps every position.
@@ -44,8 +45,9 @@ _PACK_MIN_NUMEL = 1 << 22
 
 class _Linear:
     """A `nn.Linear` of the model as a decode step runs it: through the small-batch kernel (`small_matmul`) when it
-    is available and takes the step's rows; else through oneDNN with its weight pre-packed when asked (about twice
-    as fast as the default CPU GEMM for a vocabulary-sized LM head, slower for small layers); else the module.
+    is available and takes the step's rows; else through oneDNN with its weight pre-packed when asked (in fp32 about
+    twice as fast as the default CPU GEMM for a vocabulary-sized LM head, in bf16 faster for every layer); else
+    the module.
     `pack()` re-packs after the module's weight changed in place. The weight is read from the module at each call,
     so weights copied into the model are used at the next step."""
 
@@ -54,7 +56,7 @@ class _Linear:
         # a subclass (a LoRA or quantised layer) computes more than `x @ weight.T + bias`
         self._small = type(module) is torch.nn.Linear and small_matmul.available()
         self._packed: torch.Tensor | None = None
-        self._use_packed = packed  # for steps of more tokens than the kernel takes
+        self._use_packed = packed and type(module) is torch.nn.Linear  # for steps the kernel does not take
         self.pack()
 
     def pack(self) -> None:
@@ -71,17 +73,21 @@ class _Linear:
 
 
 class _Layer:
-    """One decoder layer's modules, its linear layers wrapped as `_Linear`, its norms as its `Architecture` names
-    them, and its attention window (None: full) and rotary embedding's layer type (None: the one for all layers)."""
+    """One decoder layer's modules, its linear layers wrapped as `_Linear` (pre-packed with `packed`), its norms as
+    its `Architecture` names them, and its attention window (None: full) and rotary embedding's layer type (None:
+    the one for all layers)."""
 
-    def __init__(self, layer: torch.nn.Module, norms: tuple, window: int | None, rotary_type: str | None) -> None:
+    def __init__(
+        self, layer: torch.nn.Module, norms: tuple, window: int | None, rotary_type: str | None, packed: bool = False
+    ) -> None:
         attention, mlp = layer.self_attn, layer.mlp
         self.attention = attention
         self.pre_attention, self.post_attention, self.pre_mlp, self.post_mlp = (
             getattr(layer, name) if name else _identity for name in norms
         )
-        self.q, self.k, self.v, self.o = (_Linear(getattr(attention, f"{n}_proj")) for n in "qkvo")
-        self.gate, self.up, self.down = _Linear(mlp.gate_proj), _Linear(mlp.up_proj), _Linear(mlp.down_proj)
+        self.q, self.k, self.v, self.o = (_Linear(getattr(attention, f"{n}_proj"), packed) for n in "qkvo")
+        self.gate, self.up, self.down = (_Linear(getattr(mlp, f"{n}_proj"), packed) for n in ("gate", "up", "down"))
+        self.linears = (self.q, self.k, self.v, self.o, self.gate, self.up, self.down)
         self.act = mlp.act_fn
         self.window, self.rotary_type = window, rotary_type
 
@@ -96,14 +102,21 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 
 def packing_available(dtype: torch.dtype) -> bool:
-    """Whether torch can run fp32 linear layers through oneDNN with pre-packed weights on this CPU."""
+    """Whether torch can run linear layers of `dtype` (fp32, or bf16 where oneDNN has bf16 kernels on this CPU)
+    through oneDNN with pre-packed weights."""
     ops = torch.ops.mkldnn
+    supported = dtype == torch.float32 or (dtype == torch.bfloat16 and _mkldnn_bf16())
     return (
-        dtype == torch.float32
+        supported
         and torch.backends.mkldnn.is_available()
         and hasattr(ops, "_reorder_linear_weight")
         and hasattr(ops, "_linear_pointwise")
     )
+
+
+def _mkldnn_bf16() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check is not None and check())
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +144,9 @@ class SlotDecoder:
 
     Args:
         model: a causal LM of a supported type (`check_supported`), in eval mode.
-        packed: run a large LM head through oneDNN with pre-packed weights (`packing_available`); call `repack()`
-            after the model's weights change.
+        packed: run linear layers through oneDNN with pre-packed weights (`packing_available`): in fp32 a large LM
+            head (the small-batch kernel takes the layers' few rows), in bf16 every linear layer (oneDNN's packed bf16
+            products beat its plain ones at every row count); call `repack()` after the model's weights change.
     """
 
     def __init__(self, model: PreTrainedModel, packed: bool = False) -> None:
@@ -142,9 +156,13 @@ class SlotDecoder:
         self._embed, self._norm, self._rotary = base.embed_tokens, base.norm, base.rotary_emb
         layers = list(base.layers)[: config.num_hidden_layers]
         per_layer = zip(layers, layer_windows(config), layer_rotary_types(config), strict=True)
-        self._layers = [_Layer(layer, norms, window, rotary_type) for layer, window, rotary_type in per_layer]
+        # bf16 has no small-batch kernel, and oneDNN's packed bf16 products are faster than its plain ones
+        pack_layers = packed and model.dtype == torch.bfloat16
+        self._layers = [
+            _Layer(layer, norms, window, rotary_type, pack_layers) for layer, window, rotary_type in per_layer
+        ]
         head = model.lm_head
-        self._head = _Linear(head, packed and head.weight.numel() >= _PACK_MIN_NUMEL)
+        self._head = _Linear(head, packed and (pack_layers or head.weight.numel() >= _PACK_MIN_NUMEL))
         attention = self._layers[0].attention
         self._rope = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the model's own rotation
         self._qk_norm = hasattr(attention, "q_norm")
@@ -157,8 +175,11 @@ class SlotDecoder:
         self.lengths = torch.zeros(0, dtype=torch.long)
 
     def repack(self) -> None:
-        """Re-pack the LM head's weight after it was changed in place (a weight sync)."""
+        """Re-pack the packed weights after they were changed in place (a weight sync)."""
         self._head.pack()
+        for layer in self._layers:
+            for linear in layer.linears:
+                linear.pack()
 
     @property
     def slots(self) -> int:

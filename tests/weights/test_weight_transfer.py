@@ -394,3 +394,31 @@ def test_a_packed_lm_head_follows_each_sync():
         transfer.destroy()
     assert max_error(old, PROMPTS, before) <= 1e-4
     assert {o.model_version for o in after} == {1} and max_error(new, PROMPTS, after) <= 1e-4
+
+
+def test_a_bf16_generator_runs_every_layer_packed_and_follows_each_sync():
+    """In bf16 every linear layer runs on oneDNN's pre-packed weights (where this CPU has its bf16 kernels); a sync
+    re-packs them all, so the logprobs follow the new weights, within bf16's resolution of a teacher-forced bf16
+    forward (batched and whole-sequence products round differently)."""
+    from lightning_grpo.rollout.decoder import packing_available
+
+    if not packing_available(torch.bfloat16):
+        pytest.skip("oneDNN has no bf16 kernels on this CPU: bf16 layers run unpacked")
+    old, new = tiny_llama(seed=0), tiny_llama(seed=1)
+    transfer = SharedMemoryWeightTransfer(old)
+    try:
+        with EmbeddedGenerator(
+            copy.deepcopy(old).to(torch.bfloat16), eos_token_ids=[], max_tokens=8, weight_receiver=transfer.receiver()
+        ) as generator:
+            decoder = generator._batch._decoder
+            packed = [linear._packed for layer in decoder._layers for linear in layer.linears] + [decoder._head._packed]
+            assert all(weight is not None for weight in packed)
+            before = generate_all(generator)
+            push(transfer, new, version=1)
+            after = generate_all(generator)
+    finally:
+        transfer.destroy()
+    old_bf16, new_bf16 = copy.deepcopy(old).to(torch.bfloat16), copy.deepcopy(new).to(torch.bfloat16)
+    assert max_error(old_bf16, PROMPTS, before) <= 2e-2
+    assert {o.model_version for o in after} == {1} and max_error(new_bf16, PROMPTS, after) <= 2e-2
+    assert max_error(old_bf16, PROMPTS, after) > 0.1  # the new weights, not the old ones, sampled them
