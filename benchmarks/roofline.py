@@ -1,10 +1,11 @@
 """A roofline for every stage of a GRPO step on this machine: each stage's speed as a fraction of a bound measured
 in the same run.
 
-Peaks first, on one thread (per core): fp32 and bf16 `linear` GFLOP/s at the model's shapes (decode rows x hidden
+Peaks first, on one thread (per core): fp32 and bf16 GFLOP/s at the model's shapes (decode rows x hidden
 x intermediate, intermediate x hidden and the LM head at batches 1-64; prefill and train-sized products), the best
-of a few calls (another process can only slow a call down); and memory bandwidth, the fastest `sum` (read) and
-`copy_` of a 256 MB tensor. Then the model's stages, each against its bound:
+of a few calls (another process can only slow a call down), each the faster of torch's `linear` and oneDNN on a
+pre-packed weight (where torch has it: on some CPUs, e.g. AMD's, torch's fp32 `linear` runs at half of what oneDNN
+reaches); and memory bandwidth, the fastest `sum` (read) and `copy_` of a 256 MB tensor. Then the model's stages, each against its bound:
 
 - the embedded generator (`EmbeddedGenerator`, in each of `--generator-dtypes`, `--threads`): decode tokens/s at batch 1, 8, 32,
   64 (B completions of one prompt: the prefill is shared; (time to sample 1 + n tokens) - (time to sample 1)), and
@@ -141,10 +142,7 @@ def measure_peaks(shape: Shape, seconds: float) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        matmul = {
-            name: {dtype: matmul_gflops(*dims, DTYPES[dtype], min_seconds=seconds) for dtype in DTYPES}
-            for name, dims in products.items()
-        }
+        matmul = {name: _products(dims, seconds) for name, dims in products.items()}
         read_gbs, copy_gbs = _bandwidth(max(3, round(seconds * 20)))
     finally:
         torch.set_num_threads(threads)
@@ -157,6 +155,20 @@ def measure_peaks(shape: Shape, seconds: float) -> dict:
         "read_gbs": read_gbs,
         "copy_gbs": copy_gbs,
     }
+
+
+def _products(dims: tuple[int, int, int], seconds: float) -> dict[str, float]:
+    """GFLOP/s of one product in each dtype, the faster of torch's `linear` and oneDNN on a pre-packed weight (where
+    torch has it for the dtype: the generator's path), each also under its own key ("fp32 linear", "bf16 packed")."""
+    from lightning_grpo.rollout.decoder import packing_available
+
+    speeds = {}
+    for dtype, torch_dtype in DTYPES.items():
+        speeds[f"{dtype} linear"] = matmul_gflops(*dims, torch_dtype, min_seconds=seconds)
+        if packing_available(torch_dtype):
+            speeds[f"{dtype} packed"] = matmul_gflops(*dims, torch_dtype, min_seconds=seconds, packed=True)
+        speeds[dtype] = max(value for key, value in speeds.items() if key.startswith(f"{dtype} "))
+    return speeds
 
 
 def _bandwidth(reps: int) -> tuple[float, float]:
@@ -420,10 +432,18 @@ def _number(x: float) -> str:
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
+def _packed(speeds: dict, dtype: str) -> str:
+    return f"{speeds[f'{dtype} packed']:.1f}" if f"{dtype} packed" in speeds else "-"
+
+
 def print_peaks(peaks: dict) -> None:
-    print("\n| product (rows x in -> out), one thread | fp32 GFLOP/s | bf16 GFLOP/s | bf16 / fp32 |\n|---|---|---|---|")
+    print(
+        "\n| product (rows x in -> out), one thread | fp32 GFLOP/s (linear / packed) | bf16 GFLOP/s (linear / packed) "
+        "| bf16 / fp32 |\n|---|---|---|---|"
+    )
     for name, speeds in peaks["matmul_gflops"].items():
-        print(f"| {name} | {speeds['fp32']:.1f} | {speeds['bf16']:.1f} | {speeds['bf16'] / speeds['fp32']:.2f} |")
+        cells = [f"{speeds[d]:.1f} ({speeds[f'{d} linear']:.1f} / {_packed(speeds, d)})" for d in DTYPES]
+        print(f"| {name} | {' | '.join(cells)} | {speeds['bf16'] / speeds['fp32']:.2f} |")
     p = peaks["peak_gflops"]
     print(
         f"\npeaks per core: fp32 {p['fp32']:.1f} GFLOP/s, bf16 {p['bf16']:.1f} GFLOP/s (best: {peaks['best_dtype']}); "

@@ -23,6 +23,7 @@ choice on every node of a cluster whose machines differ, or fp32 everywhere for 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -115,22 +116,35 @@ def cpu_signature() -> dict[str, str]:
 
 
 def matmul_gflops(
-    rows: int, inner: int, outer: int, dtype: torch.dtype, *, min_seconds: float = 0.02, min_reps: int = 3
+    rows: int,
+    inner: int,
+    outer: int,
+    dtype: torch.dtype,
+    *,
+    min_seconds: float = 0.02,
+    min_reps: int = 3,
+    packed: bool = False,
 ) -> float:
     """GFLOP/s of `linear(x (rows, inner), w (outer, inner))` in `dtype` on the current torch threads: the fastest
     of at least `min_reps` calls timed over at least `min_seconds`, after one warm-up call.
 
     The fastest call, not the median: another process can only slow a call down, so the fastest is the closest to
-    what the hardware allows.
+    what the hardware allows. With `packed`, the product runs through oneDNN on a weight laid out for it beforehand
+    (what the embedded generator does where `rollout.decoder.packing_available`; the caller checks that it is).
     """
     x = torch.randn(rows, inner).to(dtype)
     w = torch.randn(outer, inner).to(dtype)
     with torch.inference_mode():
-        torch.nn.functional.linear(x, w)
+        if packed:
+            layout = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+            product = functools.partial(torch.ops.mkldnn._linear_pointwise, x, layout, None, "none", [], "")
+        else:
+            product = functools.partial(torch.nn.functional.linear, x, w)
+        product()
         best, spent, reps = float("inf"), 0.0, 0
         while reps < min_reps or spent < min_seconds:
             started = time.perf_counter()
-            torch.nn.functional.linear(x, w)
+            product()
             elapsed = time.perf_counter() - started
             best, spent, reps = min(best, elapsed), spent + elapsed, reps + 1
     return 2.0 * rows * inner * outer / best / 1e9
