@@ -171,19 +171,24 @@ def plot_runs(runs: list[tuple[Path, dict[str, Any]]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 4.5 + 0.22 * len(runs)))
     drawn_trl: list[list] = []
     for index, (folder, sides) in enumerate(runs):
         curve = sides["ours"]["curve"]
-        label = f"lightning_grpo {precision_label(sides['ours'])} ({folder.name})"
+        label = f"lightning_grpo {_short(precision_label(sides['ours']))} ({folder.name})"
         ax.plot([p["training_s"] for p in curve], [p["accuracy"] for p in curve], "o-", color=f"C{index}", label=label)
         trl = sides["trl"]["curve"]
         if trl not in drawn_trl:
             drawn_trl.append(trl)
             xs, ys = [p["training_s"] for p in trl], [p["accuracy"] for p in trl]
             ax.plot(xs, ys, "s--", color="black", alpha=0.4 + 0.6 / len(drawn_trl),
-                    label=f"TRL GRPOTrainer {precision_label(sides['trl'])}")  # fmt: skip
-    _finish(fig, ax, path, fontsize=7)
+                    label=f"TRL GRPOTrainer {_short(precision_label(sides['trl']))} ({folder.name})")  # fmt: skip
+    _finish(fig, ax, path, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+
+
+def _short(label: str) -> str:
+    """A legend's label: GRPOModule's importance-sampling options as "TIS <mode>"."""
+    return label.replace("vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=", "TIS ")
 
 
 def _finish(fig: Any, ax: Any, path: Path, **legend: Any) -> None:
@@ -196,7 +201,7 @@ def _finish(fig: Any, ax: Any, path: Path, **legend: Any) -> None:
     ax.set_ylabel("held-out greedy accuracy")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", **legend)
+    ax.legend(**({"loc": "lower right"} | legend))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
