@@ -41,7 +41,7 @@ def test_countdown_config_parses_with_smollm2_the_task_options_and_its_scorer(ca
     built.datamodule.check_data()
     rows = built.datamodule.train_prompts
     assert all(len(json.loads(metadata)["numbers"]) == 3 for metadata in rows["metadata"])
-    assert len(built.datamodule.val_prompts) == 64
+    assert len(built.datamodule.val_prompts) == 128
 
 
 @pytest.mark.timeout(300)
