@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -108,9 +109,21 @@ def start_fit(
     command = [sys.executable, "-m", "lightning_grpo.cli", "fit", "--config", str(config), *extra]
     with out.open("w") as f:
         process = subprocess.Popen(
-            command, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            cwd=tmp_path,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_as_in_a_terminal,
         )
     return process, out
+
+
+def _as_in_a_terminal() -> None:
+    """Ctrl-C raises KeyboardInterrupt, as in a terminal: a suite started in the background (`cmd &`, nohup, some CI
+    runners) has SIGINT ignored, which its children would inherit (and Python keeps an inherited SIG_IGN)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for(condition, process: subprocess.Popen, out: Path, timeout: float) -> None:

@@ -85,6 +85,12 @@ def _dropped(trainer) -> dict:
     return {**progress.dropped, **progress.excluded} if progress is not None and trainer.is_global_zero else {}
 
 
+def _consumed(trainer) -> list[int]:
+    """Rank 0's ledger: every group trained or dropped, this run's and a restored checkpoint's."""
+    progress = getattr(trainer.datamodule, "progress", None)
+    return sorted(progress.consumed) if progress is not None and trainer.is_global_zero else []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -162,6 +168,7 @@ def main() -> None:
                 "first_versions": self.first_versions,
                 "weights_at_fit_start": self.weights_at_fit_start,
                 "dropped": _dropped(trainer),
+                "consumed": _consumed(trainer),
                 "logprob_errors": self.logprob_errors,
                 "tool_samples": self.tool_samples,
                 "val_reward": float(trainer.callback_metrics["val/reward"])
