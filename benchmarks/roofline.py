@@ -408,8 +408,11 @@ def split_async_step(metrics) -> list[Row]:
     }
     parts["the rest (optimizer, planning, logging)"] = wall - sum(parts.values())
     samples = metrics["batch/groups_per_step"].mean() * GROUP_SIZE
+    # windows in which the child generated; the first holds the child's start (a fast generator may have finished
+    # every group by the second, leaving windows of 0)
     rates = metrics["rollout/generated_tok_s"].dropna()
-    rate = rates.iloc[1:].median() if len(rates) > 1 else rates.median()  # the first window holds the child's start
+    rates = rates[rates > 0]
+    rate = rates.iloc[1:].median() if len(rates) > 1 else rates.median()
     parts["generation (child, beside the trainer)"] = samples * metrics["sample/trained_tokens_mean"].mean() / rate
     parts["scoring (child, beside the trainer)"] = metrics["rollout/score_s"].mean() * samples / GROUP_SIZE
     kind = f"share of a {wall:.2f} s step"
