@@ -11,6 +11,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
+# Vocabulary entries per block of the two-level CDF inversion in `draw`: a row's block sums are one vectorised
+# reduction, and the running sum is then taken over a few hundred blocks and one block's entries instead of the whole
+# vocabulary (a running sum does not vectorise, and over 49k entries it cost more than the rest of sampling).
+_CDF_BLOCK = 256
+
+
 def process_logits(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -42,6 +48,24 @@ def process_logits(
     Returns:
         (rows, vocab) float32 log-probabilities; -inf outside the kept set.
     """
+    scores = sampling_scores(
+        logits, temperature, top_k, top_p, min_p=min_p, repetition_penalty=repetition_penalty, seen=seen
+    )
+    return torch.log_softmax(scores, dim=-1)
+
+
+def sampling_scores(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    *,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    seen: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`process_logits` before its final `log_softmax`: (rows, vocab) float32 scores whose softmax is the sampling
+    distribution, -inf outside the kept set. `draw` samples from them without normalising the whole vocabulary."""
     scores = logits.float()
     if repetition_penalty != 1.0:
         if seen is None:
@@ -49,7 +73,7 @@ def process_logits(
         penalized = torch.where(scores > 0, scores / repetition_penalty, scores * repetition_penalty)
         scores = torch.where(seen, penalized, scores)
     if temperature == 0.0:
-        return torch.log_softmax(scores, dim=-1)
+        return scores
     if temperature != 1.0:
         scores = scores / temperature
     if min_p:
@@ -65,23 +89,61 @@ def process_logits(
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(scores, dim=-1)
+    return scores
+
+
+def draw(scores: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row drawn from `softmax(scores)` (rows, vocab) by inverting the row's CDF at `uniform` (rows,)
+    in [0, 1), and its log-probability under that distribution (float32).
+
+    A token of score -inf (outside the top-k/top-p set) is never drawn. One random number per row, instead of one
+    per vocabulary entry (`torch.multinomial`, vLLM's exponential race), keeps a step over a 49k vocabulary cheap and
+    lets each row draw from its own seeded generator.
+    """
+    probs = torch.softmax(scores, dim=-1)
+    token, total = _invert_cdf(probs, uniform)
+    # the drawn distribution is probs / total (total is 1 up to rounding); a drawn token's probability is never 0
+    logprob = probs.gather(-1, token[:, None]).squeeze(-1).log() - total.log()
+    return token, logprob
 
 
 def sample_from_logprobs(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """One token per row drawn from `exp(logprobs)`, by inverting the row's CDF at `uniform` (rows,) in [0, 1).
+    """One token per row drawn from `exp(logprobs)`, as `draw` draws it (a token of probability 0 never)."""
+    return _invert_cdf(logprobs.exp(), uniform)[0]
 
-    A token of probability 0 (outside the top-k/top-p set) is never drawn. One random number per row, instead of one
-    per vocabulary entry (`torch.multinomial`, vLLM's exponential race), makes a step over a 49k vocabulary about 3x
-    cheaper and lets each row draw from its own seeded generator.
-    """
-    cdf = logprobs.exp().cumsum(dim=-1)
-    total = cdf[:, -1:]
-    token = torch.searchsorted(cdf, uniform[:, None] * total, right=True).squeeze(-1)
-    past_end = token >= cdf.shape[-1]  # uniform * total rounded up to the total
-    if past_end.any():
-        token[past_end] = (cdf[past_end] < total[past_end]).sum(dim=-1)  # the last token of probability > 0
-    return token
+
+def _invert_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first entry of each row whose running sum of `weights` (rows, vocab; >= 0) passes `uniform` x the row's
+    total, found block by block (`_CDF_BLOCK`), and the totals. Exactly the inversion of the whole row's CDF up to
+    rounding, where a draw that would land on a weight of 0 is moved to the nearest earlier entry with weight."""
+    rows, vocab = weights.shape
+    pad = -vocab % _CDF_BLOCK
+    blocked = torch.nn.functional.pad(weights, (0, pad)) if pad else weights
+    blocked = blocked.view(rows, -1, _CDF_BLOCK)
+    block_mass = blocked.sum(dim=-1)  # (rows, blocks)
+    block_cdf = block_mass.cumsum(dim=-1)
+    total = block_cdf[:, -1]
+    target = (uniform * total)[:, None]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[-1] - 1)
+    before = (block_cdf.gather(-1, block) - block_mass.gather(-1, block)).squeeze(-1)
+    inner = blocked[torch.arange(rows), block.squeeze(-1)]  # (rows, _CDF_BLOCK)
+    inner_cdf = inner.cumsum(dim=-1)
+    offset = torch.searchsorted(inner_cdf, (target.squeeze(-1) - before)[:, None], right=True).squeeze(-1)
+    token = block.squeeze(-1) * _CDF_BLOCK + offset.clamp_(max=_CDF_BLOCK - 1)
+    token = token.clamp_(max=vocab - 1)
+    empty = weights.gather(-1, token[:, None]).squeeze(-1) == 0  # rounding at a block's or the row's end
+    if empty.any():
+        token[empty] = _last_positive_at_or_before(weights[empty], token[empty])
+    return token, total
+
+
+def _last_positive_at_or_before(weights: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """Per row, the last index <= `token` with a positive weight (else the first positive one)."""
+    index = torch.arange(weights.shape[-1])
+    positive = weights > 0
+    at_or_before = torch.where(positive & (index <= token[:, None]), index, -1).amax(dim=-1)
+    first = torch.where(positive, index, weights.shape[-1]).amin(dim=-1)
+    return torch.where(at_or_before >= 0, at_or_before, first)
 
 
 def seen_tokens(prompt_ids: list[int], completion_ids: list[int], vocab_size: int) -> torch.Tensor:
