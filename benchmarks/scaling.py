@@ -254,8 +254,12 @@ def plot(rows: list[dict[str, Any]], policies: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    base = [row for row in rows if row["policy"] in policies and row["length"] == rows[0]["length"]
-            and row["group_size"] == rows[0]["group_size"]]  # fmt: skip
+    first: dict[tuple[str, str], dict[str, Any]] = {}  # the policy table's rows (a sweep may repeat its shape)
+    shape = (rows[0]["length"], rows[0]["group_size"])
+    for row in rows:
+        if row["policy"] in policies and (row["length"], row["group_size"]) == shape:
+            first.setdefault((row["policy"], row["mode"]), row)
+    base = list(first.values())
     for mode in dict.fromkeys(row["mode"] for row in base):
         points = [row for row in base if row["mode"] == mode and row["fits"]]
         names = [policies.index(row["policy"]) for row in points]
