@@ -3,7 +3,7 @@ the teacher-forced reference."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,41 +17,14 @@ if TYPE_CHECKING:
 _CDF_BLOCK = 256
 
 
-def process_logits(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    *,
-    min_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    seen: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Log-probabilities of the distribution tokens are sampled from, as vLLM's `processed_logprobs`.
-
-    In vLLM's order: the repetition penalty on the raw logits (a positive logit of a token in the prompt or the
-    output so far is divided by it, a negative one multiplied), then `/ temperature`, then `min_p` (drop tokens whose
-    probability is under `min_p` times the largest), then the `top_k` largest (0 = all), then the smallest set of
-    those whose probability reaches `top_p`, renormalized. With the defaults this is `log_softmax(logits /
-    temperature)`, which is what the trainer recomputes. `temperature=0` is greedy: only the penalty applies, and the
-    result is `log_softmax` of the penalized logits (vLLM's greedy logprobs).
-
-    Args:
-        logits: (rows, vocab).
-        temperature: >= 0.
-        top_k: tokens kept by rank; 0 or -1 keep all (ties with the k-th value are kept too).
-        top_p: probability mass kept, in (0, 1].
-        min_p: in [0, 1]; None or 0 keep all.
-        repetition_penalty: > 0; 1 is off.
-        seen: (rows, vocab) bool, the tokens of each row's prompt and output so far; needed when the penalty is on.
+def process_logits(logits: torch.Tensor, *options: Any, **keywords: Any) -> torch.Tensor:
+    """Log-probabilities of the distribution tokens are sampled from, as vLLM's `processed_logprobs`:
+    `log_softmax(sampling_scores(logits, ...))`, with `sampling_scores`' arguments.
 
     Returns:
         (rows, vocab) float32 log-probabilities; -inf outside the kept set.
     """
-    scores = sampling_scores(
-        logits, temperature, top_k, top_p, min_p=min_p, repetition_penalty=repetition_penalty, seen=seen
-    )
-    return torch.log_softmax(scores, dim=-1)
+    return torch.log_softmax(sampling_scores(logits, *options, **keywords), dim=-1)
 
 
 def sampling_scores(
@@ -64,8 +37,28 @@ def sampling_scores(
     repetition_penalty: float = 1.0,
     seen: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`process_logits` before its final `log_softmax`: (rows, vocab) float32 scores whose softmax is the sampling
-    distribution, -inf outside the kept set. `draw` samples from them without normalising the whole vocabulary."""
+    """Scores whose softmax is the distribution tokens are sampled from (`process_logits` normalises them, `draw`
+    samples from them without normalising the whole vocabulary).
+
+    In vLLM's order: the repetition penalty on the raw logits (a positive logit of a token in the prompt or the
+    output so far is divided by it, a negative one multiplied), then `/ temperature`, then `min_p` (drop tokens whose
+    probability is under `min_p` times the largest), then the `top_k` largest (0 = all), then the smallest set of
+    those whose probability reaches `top_p`. With the defaults this is `logits / temperature`, whose `log_softmax` is
+    what the trainer recomputes. `temperature=0` is greedy: only the penalty applies (vLLM's greedy logprobs are the
+    `log_softmax` of the penalized logits).
+
+    Args:
+        logits: (rows, vocab).
+        temperature: >= 0.
+        top_k: tokens kept by rank; 0 or -1 keep all (ties with the k-th value are kept too).
+        top_p: probability mass kept, in (0, 1].
+        min_p: in [0, 1]; None or 0 keep all.
+        repetition_penalty: > 0; 1 is off.
+        seen: (rows, vocab) bool, the tokens of each row's prompt and output so far; needed when the penalty is on.
+
+    Returns:
+        (rows, vocab) float32 scores; -inf outside the kept set.
+    """
     scores = logits.float()
     if repetition_penalty != 1.0:
         if seen is None:
