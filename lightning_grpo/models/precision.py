@@ -136,8 +136,9 @@ def matmul_gflops(
     w = torch.randn(outer, inner).to(dtype)
     with torch.inference_mode():
         if packed:
-            layout = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-            product = functools.partial(torch.ops.mkldnn._linear_pointwise, x, layout, None, "none", [], "")
+            from ..rollout.decoder import pack_weight, packed_linear
+
+            product = functools.partial(packed_linear, x, pack_weight(w, rows))
         else:
             product = functools.partial(torch.nn.functional.linear, x, w)
         product()

@@ -43,6 +43,16 @@ _PACK_ROWS = 32
 _PACK_MIN_NUMEL = 1 << 22
 
 
+def pack_weight(weight: torch.Tensor, rows: int = _PACK_ROWS) -> torch.Tensor:
+    """`weight` (out, in) laid out by oneDNN for products of about `rows` rows (where `packing_available`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` through oneDNN on a weight `pack_weight` laid out."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class _Linear:
     """A `nn.Linear` of the model as a decode step runs it: through the small-batch kernel (`small_matmul`) when it
     is available and takes the step's rows; else through oneDNN with its weight pre-packed when asked (in fp32 about
@@ -62,14 +72,14 @@ class _Linear:
     def pack(self) -> None:
         if self._use_packed:
             with torch.inference_mode():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.module.weight.detach(), _PACK_ROWS)
+                self._packed = pack_weight(self.module.weight.detach())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._small and small_matmul.applies(x, self.module.weight, self.module.bias):
             return small_matmul.linear(x, self.module.weight, self.module.bias)
         if self._packed is None:
             return self.module(x)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.module.bias, "none", [], "")
+        return packed_linear(x, self._packed, self.module.bias)
 
 
 class _Layer:

@@ -62,7 +62,7 @@ def sampling_scores(
     scores = logits.float()
     if repetition_penalty != 1.0:
         if seen is None:
-            raise ValueError("`process_logits(repetition_penalty=...)` needs `seen`, the tokens each row has seen.")
+            raise ValueError("`sampling_scores(repetition_penalty=...)` needs `seen`, the tokens each row has seen.")
         penalized = torch.where(scores > 0, scores / repetition_penalty, scores * repetition_penalty)
         scores = torch.where(seen, penalized, scores)
     if temperature == 0.0:
