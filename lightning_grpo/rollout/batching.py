@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .decoder import Prefix, SlotDecoder
-from .sampling import draw, sampling_scores
+from .sampling import process_logits, sample_from_logprobs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -210,7 +210,7 @@ class ContinuousBatch:
         """Draw one token for every row from `logits` (rows, vocab); returns the rows that finished."""
         options = self.sampling
         seen = torch.stack([row.seen for row in self._rows]) if options.repetition_penalty != 1.0 else None
-        scores = sampling_scores(
+        logprobs = process_logits(
             logits,
             options.temperature,
             options.top_k,
@@ -220,14 +220,14 @@ class ContinuousBatch:
             seen=seen,
         )
         if options.temperature == 0.0:
-            token = scores.argmax(dim=-1)
-            token_logprob = scores.gather(-1, token[:, None]).squeeze(-1) - scores.logsumexp(dim=-1)
+            token = logprobs.argmax(dim=-1)
         else:
             uniform = torch.rand(len(self._rows), generator=self._rng)
             for i, row in enumerate(self._rows):
                 if row.generator is not None:
                     uniform[i] = torch.rand((), generator=row.generator)
-            token, token_logprob = draw(scores, uniform)
+            token = sample_from_logprobs(logprobs, uniform)
+        token_logprob = logprobs.gather(-1, token[:, None]).squeeze(-1)
         finished = []
         for i, (row, t, lp) in enumerate(zip(self._rows, token.tolist(), token_logprob.tolist(), strict=True)):
             row.tokens.append(t)

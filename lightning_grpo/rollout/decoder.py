@@ -260,8 +260,7 @@ class SlotDecoder:
             start += len(prompt)
         hidden = self._embed(ids)  # (tokens, hidden)
         rotations = self._rotations(hidden, positions)
-        span = self._attended_span(lengths)
-        masks = {window: self._row_mask(lengths, window, span) for window in {layer.window for layer in self._layers}}
+        masks = {window: self._row_mask(lengths, window) for window in {layer.window for layer in self._layers}}
         prompt_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
         for index, layer in enumerate(self._layers):
             cos, sin = rotations[layer.rotary_type]
@@ -291,22 +290,13 @@ class SlotDecoder:
             rotations[rotary_type] = cos[0], sin[0]
         return rotations
 
-    def _attended_span(self, lengths: torch.Tensor) -> int:
-        """Cache positions the decoding rows' attention runs over: the longest row's, or the whole capacity while
-        that is at most twice as long. The whole capacity is what each slot holds contiguously, so the products read
-        the cache in place; a shorter span is a strided slice that torch copies first, and the copies cost more than
-        the masked positions."""
-        if lengths.numel() == 0:
-            return 0
-        width = int(lengths.max()) + 1
-        return self.capacity if self.capacity <= 2 * width else width
-
-    def _row_mask(self, lengths: torch.Tensor, window: int | None, span: int) -> torch.Tensor | None:
-        """(rows, 1, 1, span) additive mask over the first `span` slot positions: each row sees its length + 1, or
-        the last `window` of them (a sliding-window layer: key `j` is seen from position `p` when `p - j < window`)."""
+    def _row_mask(self, lengths: torch.Tensor, window: int | None) -> torch.Tensor | None:
+        """(rows, 1, 1, width) additive mask over the slot positions each row attends to: its length + 1, or the
+        last `window` of them (a sliding-window layer: key `j` is seen from position `p` when `p - j < window`)."""
         if lengths.numel() == 0:
             return None
-        keys = torch.arange(span)[None, :]
+        width = int(lengths.max()) + 1
+        keys = torch.arange(width)[None, :]
         hidden = keys > lengths[:, None]
         if window is not None:
             hidden |= keys <= lengths[:, None] - window

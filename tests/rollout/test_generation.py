@@ -65,29 +65,6 @@ def test_logprobs_match_teacher_forced_forward_for_left_padded_batch(temperature
     assert max_logprob_error(reference, PROMPTS, outputs, temperature=temperature) <= 1e-4
 
 
-def test_rows_attend_right_over_the_whole_cache_and_over_a_slice_of_a_cache_grown_long(monkeypatch):
-    """Decoding rows attend over the whole cache capacity while it is at most twice the longest row (read in place),
-    else over a slice of it. A long completion grows the capacity; short ones after it take the slice. Both match a
-    teacher-forced forward."""
-    from lightning_grpo.rollout.decoder import SlotDecoder
-
-    spans = []
-    attended_span = SlotDecoder._attended_span
-
-    def recording(self, lengths):
-        spans.append((attended_span(self, lengths), self.capacity))
-        return spans[-1][0]
-
-    monkeypatch.setattr(SlotDecoder, "_attended_span", recording)
-    reference = tiny_llama(seed=0)
-    with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], seed=0) as generator:
-        long = asyncio.run(generator.generate(PROMPTS[0], 150))
-        short = generate_all(generator, PROMPTS[1:], max_tokens=12)
-    assert any(span == capacity for span, capacity in spans)  # the whole cache, read in place
-    assert any(0 < span < capacity / 2 for span, capacity in spans)  # a slice of a cache grown past twice the rows
-    assert max_logprob_error(reference, PROMPTS, [long, *short]) <= 1e-4
-
-
 def test_sampled_tokens_stay_in_top_k_top_p_set_and_logprobs_are_renormalised():
     sampling = {"temperature": 0.8, "top_k": 7, "top_p": 0.8}
     reference = tiny_llama(seed=0)
