@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .decoder import Prefix, SlotDecoder
-from .sampling import process_logits, sample_from_logprobs
+from .sampling import draw, sampling_scores
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -206,11 +206,12 @@ class ContinuousBatch:
         self._joining = []
         return first
 
+    @torch.inference_mode()  # the decoder's logits are inference tensors, overwritten here
     def _sample(self, logits: torch.Tensor, version: int) -> list[int]:
         """Draw one token for every row from `logits` (rows, vocab); returns the rows that finished."""
         options = self.sampling
         seen = torch.stack([row.seen for row in self._rows]) if options.repetition_penalty != 1.0 else None
-        logprobs = process_logits(
+        scores = sampling_scores(
             logits,
             options.temperature,
             options.top_k,
@@ -218,16 +219,17 @@ class ContinuousBatch:
             min_p=options.min_p,
             repetition_penalty=options.repetition_penalty,
             seen=seen,
+            overwrite=True,  # this step's logits, not needed after sampling
         )
         if options.temperature == 0.0:
-            token = logprobs.argmax(dim=-1)
+            token = scores.argmax(dim=-1)
+            token_logprob = scores.gather(-1, token[:, None]).squeeze(-1) - scores.logsumexp(dim=-1)
         else:
             uniform = torch.rand(len(self._rows), generator=self._rng)
             for i, row in enumerate(self._rows):
                 if row.generator is not None:
                     uniform[i] = torch.rand((), generator=row.generator)
-            token = sample_from_logprobs(logprobs, uniform)
-        token_logprob = logprobs.gather(-1, token[:, None]).squeeze(-1)
+            token, token_logprob = draw(scores, uniform, overwrite=True)
         finished = []
         for i, (row, t, lp) in enumerate(zip(self._rows, token.tolist(), token_logprob.tolist(), strict=True)):
             row.tokens.append(t)

@@ -197,7 +197,7 @@ class SlotDecoder:
 
     @property
     def capacity(self) -> int:
-        return self._keys[0].shape[2] if self._keys else 0
+        return self._values[0].shape[2] if self._values else 0
 
     @torch.inference_mode()
     def reserve(self, slots: int, capacity: int) -> None:
@@ -206,11 +206,10 @@ class SlotDecoder:
             return
         slots = max(self.slots, -(-slots // _SLOT_STEP) * _SLOT_STEP)
         capacity = max(self.capacity, -(-capacity // _POSITION_STEP) * _POSITION_STEP)
-        shape = (slots, self.kv_heads, capacity, self.head_dim)
         old_slots, old_capacity = self.slots, self.capacity
-        for cache in (self._keys, self._values):
+        for cache, positions_last in ((self._keys, True), (self._values, False)):
             for layer in range(len(self._layers)):
-                grown = torch.zeros(shape, dtype=self._dtype)
+                grown = self._empty_cache(slots, capacity, positions_last)
                 if cache and old_slots:
                     grown[:old_slots, :, :old_capacity] = cache[layer]
                 if len(cache) > layer:
@@ -218,6 +217,15 @@ class SlotDecoder:
                 else:
                     cache.append(grown)
         self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(slots - old_slots)])
+
+    def _empty_cache(self, slots: int, capacity: int, positions_last: bool) -> torch.Tensor:
+        """A layer's zeroed key or value cache, (slots, kv_heads, capacity, head_dim); keys are that shape's
+        transposed view of a (slots, kv_heads, head_dim, capacity) tensor, so that a row's first `width` keys, as
+        the scores' product reads them (transposed), are a matrix in place: torch copies a slice along the middle
+        axis before a bf16 product, and the copy cost more than the product (the result is the same)."""
+        if positions_last:
+            return torch.zeros(slots, self.kv_heads, self.head_dim, capacity, dtype=self._dtype).transpose(2, 3)
+        return torch.zeros(slots, self.kv_heads, capacity, self.head_dim, dtype=self._dtype)
 
     @torch.inference_mode()
     def load(self, prefix: Prefix, slots: list[int]) -> None:
@@ -274,7 +282,7 @@ class SlotDecoder:
             Prefix(
                 keys=tuple(k for k, _ in layers),
                 values=tuple(v for _, v in layers),
-                logits=logits[rows + i],
+                logits=logits[rows + i].clone(),  # the rows before it are sampled from in place
                 length=len(prompts[i]),
             )
             for i, layers in enumerate(prompt_kv)
@@ -337,11 +345,15 @@ class SlotDecoder:
         keys, values = self._keys[index], self._values[index]
         keys[slot, :, position] = k
         values[slot, :, position] = v
-        # queries grouped by the key/value head they share: (rows, kv_heads, heads per kv head, head_dim)
-        grouped = q.view(rows, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
-        scores = torch.matmul(grouped, keys[:rows, :, :width].transpose(-1, -2)).mul_(self._scale).add_(mask)
-        out = torch.matmul(scores.softmax(dim=-1), values[:rows, :, :width])
-        return out.view(rows, self.heads, self.head_dim)
+        # one product per (row, kv head) of the queries sharing that head: (rows * kv_heads, heads per kv head, dim)
+        # against the slot's first `width` positions, read from the cache in place (see `_empty_cache`)
+        batches, group = rows * self.kv_heads, self.heads // self.kv_heads
+        grouped = q.reshape(batches, group, self.head_dim)
+        keys = keys[:rows, :, :width].view(batches, width, self.head_dim)
+        values = values[:rows, :, :width].view(batches, width, self.head_dim)
+        scores = torch.bmm(grouped, keys.transpose(1, 2)).view(rows, self.kv_heads, group, width)
+        weights = scores.mul_(self._scale).add_(mask).softmax(dim=-1).view(batches, group, width)
+        return torch.bmm(weights, values).view(rows, self.heads, self.head_dim)
 
 
 def _prompt_mask(length: int, window: int | None) -> dict:

@@ -3,7 +3,7 @@ the teacher-forced reference."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -11,7 +11,23 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def process_logits(
+# Vocabulary entries per block of the two-level CDF inversion in `draw`: a row's block sums are one vectorised
+# reduction, and the running sum is then taken over a few hundred blocks and one block's entries instead of the whole
+# vocabulary (a running sum does not vectorise, and over 49k entries it cost more than the rest of sampling).
+_CDF_BLOCK = 256
+
+
+def process_logits(logits: torch.Tensor, *options: Any, **keywords: Any) -> torch.Tensor:
+    """Log-probabilities of the distribution tokens are sampled from, as vLLM's `processed_logprobs`:
+    `log_softmax(sampling_scores(logits, ...))`, with `sampling_scores`' arguments.
+
+    Returns:
+        (rows, vocab) float32 log-probabilities; -inf outside the kept set.
+    """
+    return torch.log_softmax(sampling_scores(logits, *options, **keywords), dim=-1)
+
+
+def sampling_scores(
     logits: torch.Tensor,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -20,15 +36,17 @@ def process_logits(
     min_p: float | None = None,
     repetition_penalty: float = 1.0,
     seen: torch.Tensor | None = None,
+    overwrite: bool = False,
 ) -> torch.Tensor:
-    """Log-probabilities of the distribution tokens are sampled from, as vLLM's `processed_logprobs`.
+    """Scores whose softmax is the distribution tokens are sampled from (`process_logits` normalises them, `draw`
+    samples from them without normalising the whole vocabulary).
 
     In vLLM's order: the repetition penalty on the raw logits (a positive logit of a token in the prompt or the
     output so far is divided by it, a negative one multiplied), then `/ temperature`, then `min_p` (drop tokens whose
     probability is under `min_p` times the largest), then the `top_k` largest (0 = all), then the smallest set of
-    those whose probability reaches `top_p`, renormalized. With the defaults this is `log_softmax(logits /
-    temperature)`, which is what the trainer recomputes. `temperature=0` is greedy: only the penalty applies, and the
-    result is `log_softmax` of the penalized logits (vLLM's greedy logprobs).
+    those whose probability reaches `top_p`. With the defaults this is `logits / temperature`, whose `log_softmax` is
+    what the trainer recomputes. `temperature=0` is greedy: only the penalty applies (vLLM's greedy logprobs are the
+    `log_softmax` of the penalized logits).
 
     Args:
         logits: (rows, vocab).
@@ -38,20 +56,23 @@ def process_logits(
         min_p: in [0, 1]; None or 0 keep all.
         repetition_penalty: > 0; 1 is off.
         seen: (rows, vocab) bool, the tokens of each row's prompt and output so far; needed when the penalty is on.
+        overwrite: float32 `logits` the caller no longer needs may be scaled in place (a decode step then allocates
+            no vocabulary-sized tensor for the temperature).
 
     Returns:
-        (rows, vocab) float32 log-probabilities; -inf outside the kept set.
+        (rows, vocab) float32 scores; -inf outside the kept set.
     """
     scores = logits.float()
     if repetition_penalty != 1.0:
         if seen is None:
-            raise ValueError("`process_logits(repetition_penalty=...)` needs `seen`, the tokens each row has seen.")
+            raise ValueError("`sampling_scores(repetition_penalty=...)` needs `seen`, the tokens each row has seen.")
         penalized = torch.where(scores > 0, scores / repetition_penalty, scores * repetition_penalty)
         scores = torch.where(seen, penalized, scores)
     if temperature == 0.0:
-        return torch.log_softmax(scores, dim=-1)
+        return scores
     if temperature != 1.0:
-        scores = scores / temperature
+        owned = overwrite or scores is not logits  # the caller's to overwrite, or a float32 copy of its logits
+        scores = scores.div_(temperature) if owned else scores / temperature
     if min_p:
         probs = scores.softmax(dim=-1)
         scores = scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
@@ -65,23 +86,63 @@ def process_logits(
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(scores, dim=-1)
+    return scores
+
+
+def draw(scores: torch.Tensor, uniform: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row drawn from `softmax(scores)` (rows, vocab) by inverting the row's CDF at `uniform` (rows,)
+    in [0, 1), and its log-probability under that distribution (float32).
+
+    A token of score -inf (outside the top-k/top-p set) is never drawn. One random number per row, instead of one
+    per vocabulary entry (`torch.multinomial`, vLLM's exponential race), keeps a step over a 49k vocabulary cheap and
+    lets each row draw from its own seeded generator. With `overwrite`, `scores` (the caller's to discard) are
+    turned into the rows' unnormalised probabilities in place.
+    """
+    peak = scores.amax(dim=-1, keepdim=True)
+    # exp(scores - max) are the softmax's numerators; the inversion divides by each row's total, so no row is divided
+    weights = (scores.sub_(peak) if overwrite else scores - peak).exp_()
+    token, total = _invert_cdf(weights, uniform)
+    logprob = weights.gather(-1, token[:, None]).squeeze(-1).log_() - total.log()  # a drawn weight is never 0
+    return token, logprob
 
 
 def sample_from_logprobs(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """One token per row drawn from `exp(logprobs)`, by inverting the row's CDF at `uniform` (rows,) in [0, 1).
+    """One token per row drawn from `exp(logprobs)`, as `draw` draws it (a token of probability 0 never)."""
+    return _invert_cdf(logprobs.exp(), uniform)[0]
 
-    A token of probability 0 (outside the top-k/top-p set) is never drawn. One random number per row, instead of one
-    per vocabulary entry (`torch.multinomial`, vLLM's exponential race), makes a step over a 49k vocabulary about 3x
-    cheaper and lets each row draw from its own seeded generator.
-    """
-    cdf = logprobs.exp().cumsum(dim=-1)
-    total = cdf[:, -1:]
-    token = torch.searchsorted(cdf, uniform[:, None] * total, right=True).squeeze(-1)
-    past_end = token >= cdf.shape[-1]  # uniform * total rounded up to the total
-    if past_end.any():
-        token[past_end] = (cdf[past_end] < total[past_end]).sum(dim=-1)  # the last token of probability > 0
-    return token
+
+def _invert_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first entry of each row whose running sum of `weights` (rows, vocab; >= 0) passes `uniform` x the row's
+    total, found block by block (`_CDF_BLOCK`), and the totals. Exactly the inversion of the whole row's CDF up to
+    rounding, where a draw that would land on a weight of 0 is moved to the nearest earlier entry with weight."""
+    rows, vocab = weights.shape
+    pad = -vocab % _CDF_BLOCK
+    blocked = torch.nn.functional.pad(weights, (0, pad)) if pad else weights
+    blocked = blocked.view(rows, -1, _CDF_BLOCK)
+    block_mass = blocked.sum(dim=-1)  # (rows, blocks)
+    block_cdf = block_mass.cumsum(dim=-1)
+    total = block_cdf[:, -1]
+    target = (uniform * total)[:, None]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[-1] - 1)
+    before = (block_cdf.gather(-1, block) - block_mass.gather(-1, block)).squeeze(-1)
+    inner = blocked[torch.arange(rows), block.squeeze(-1)]  # (rows, _CDF_BLOCK)
+    inner_cdf = inner.cumsum(dim=-1)
+    offset = torch.searchsorted(inner_cdf, (target.squeeze(-1) - before)[:, None], right=True).squeeze(-1)
+    token = block.squeeze(-1) * _CDF_BLOCK + offset.clamp_(max=_CDF_BLOCK - 1)
+    token = token.clamp_(max=vocab - 1)
+    empty = weights.gather(-1, token[:, None]).squeeze(-1) == 0  # rounding at a block's or the row's end
+    if empty.any():
+        token[empty] = _last_positive_at_or_before(weights[empty], token[empty])
+    return token, total
+
+
+def _last_positive_at_or_before(weights: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """Per row, the last index <= `token` with a positive weight (else the first positive one)."""
+    index = torch.arange(weights.shape[-1])
+    positive = weights > 0
+    at_or_before = torch.where(positive & (index <= token[:, None]), index, -1).amax(dim=-1)
+    first = torch.where(positive, index, weights.shape[-1]).amin(dim=-1)
+    return torch.where(at_or_before >= 0, at_or_before, first)
 
 
 def seen_tokens(prompt_ids: list[int], completion_ids: list[int], vocab_size: int) -> torch.Tensor:

@@ -118,9 +118,7 @@ class TreeAttentionPlan:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Attention output `(1, N, H, D)` for `query` `(1, H, N, D)` and `key`/`value` `(1, H_kv, N, D)`."""
-        sdpa = functools.partial(
-            F.scaled_dot_product_attention, dropout_p=dropout, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
-        )
+        sdpa = functools.partial(_attention, scale=scaling, dropout=dropout)
         if self.layout == "dense":
             mask = self.mask
             if sliding_window:
@@ -138,6 +136,57 @@ class TreeAttentionPlan:
             )
             outs.append(sdpa(q, k, v, attn_mask=mask).transpose(1, 2).flatten(0, 1))  # (B * Lq, H, D)
         return torch.cat(outs).index_select(0, self.output_index).unsqueeze(0)
+
+
+# Most attention scores (batch x heads x queries x keys) one call computes by plain products on a CPU in bf16/fp16: up
+# to here SDPA's CPU flash kernel takes about twice as long for GRPO's short segments (its masked backward dominates);
+# past it the flash kernel catches up, and the products' scores held for the backward would cost memory.
+_PRODUCTS_MAX_SCORES = 1 << 22
+
+
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor,
+    scale: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """`scaled_dot_product_attention` of `query` (B, H, Lq, D) over `key`/`value` (B, H_kv, Lk, D) where `attn_mask`
+    (B or 1, 1, Lq, Lk; True = attend) allows; by `_attention_by_products` on a CPU in half precision for small calls."""
+    batch, heads, length_q, _ = query.shape
+    small = batch * heads * length_q * key.shape[2] <= _PRODUCTS_MAX_SCORES
+    if query.device.type == "cpu" and _half_precision_products(query) and small:
+        return _attention_by_products(query, key, value, attn_mask, scale, dropout)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout, scale=scale, enable_gqa=heads != key.shape[1]
+    )
+
+
+def _half_precision_products(query: torch.Tensor) -> bool:
+    """Whether products of `query` run in bf16/fp16: its dtype, or CPU autocast's (where the rotary embedding leaves
+    queries and keys in float32 and SDPA itself is cast down)."""
+    half = (torch.bfloat16, torch.float16)
+    return query.dtype in half or (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") in half)
+
+
+def _attention_by_products(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float | None, dropout: float
+) -> torch.Tensor:
+    """softmax(q k^T x scale, masked) v as two batched products, the softmax in float32; the queries that share a key
+    and value head (grouped-query attention, query head h reads kv head h // (H / H_kv)) in one product with it."""
+    batch, heads, length_q, dim = query.shape
+    kv_heads, length_k = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    scores = torch.matmul(query.reshape(batch, kv_heads, group * length_q, dim), key.transpose(-1, -2))
+    scores = scores.view(batch, kv_heads, group, length_q, length_k).mul(dim**-0.5 if scale is None else scale)
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)  # the products' dtype
+    if dropout:
+        weights = F.dropout(weights, dropout)
+    out = torch.matmul(weights.view(batch, kv_heads, group * length_q, length_k), value)
+    return out.view(batch, heads, length_q, dim)
 
 
 def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -128,3 +128,41 @@ def test_tree_attention_rejects_softcap_on_the_sdpa_path():
             tree_cu_seqlens_k=packed["tree_cu_seqlens_k"],
             softcap=30.0,
         )
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (3, 3), (6, 1)])
+def test_attention_by_products_is_sdpa_with_its_mask_and_query_groups_values_and_gradients(heads, kv_heads):
+    """The half-precision CPU path's arithmetic, run in float32 here so that it must match SDPA to rounding: query
+    head h reads kv head h // (heads / kv_heads), masked keys get no weight, and the gradients agree."""
+    from lightning_grpo.training.attention import _attention_by_products
+
+    generator = torch.Generator().manual_seed(heads)
+    query = torch.randn(3, heads, 5, 8, generator=generator, requires_grad=True)
+    key, value = (torch.randn(3, kv_heads, 7, 8, generator=generator, requires_grad=True) for _ in range(2))
+    mask = torch.rand(3, 1, 5, 7, generator=generator) < 0.6
+    mask[..., 0] = True  # every query sees a key
+    got = _attention_by_products(query, key, value, mask, 0.3, 0.0)
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=0)
+    upstream = torch.randn(got.shape, generator=generator)
+    grads = torch.autograd.grad((got * upstream).sum(), (query, key, value))
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), (query, key, value))
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["segments", "dense"])
+def test_packed_forward_under_bf16_autocast_takes_the_products_and_matches_the_float32_forward(layout, monkeypatch):
+    from lightning_grpo.training import attention
+
+    calls = []
+    products = attention._attention_by_products
+    monkeypatch.setattr(attention, "_attention_by_products", lambda *a: calls.append(a[0].shape) or products(*a))
+    samples = tricky_samples()
+    mb = micro_batch(samples)
+    expected, _ = reference_logprobs(tiny_llama(0), samples)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = packed_term_logprobs(use_tree_attention(tiny_llama(0)), mb, layout)
+    plan = TreeAttentionPlan.build(mb["tree_kv_index"], mb["tree_cu_seqlens_q"], mb["tree_cu_seqlens_k"], layout=layout)
+    assert len(calls) == tiny_llama_config().num_hidden_layers * max(len(plan.batches), 1)  # every call, every layer
+    assert (got.float() - expected).abs().max().item() < 0.05  # bf16 rounding of a 2-layer model's log-probabilities
