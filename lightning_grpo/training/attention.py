@@ -118,12 +118,12 @@ class TreeAttentionPlan:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Attention output `(1, N, H, D)` for `query` `(1, H, N, D)` and `key`/`value` `(1, H_kv, N, D)`."""
-        sdpa = functools.partial(_attention, scale=scaling, dropout=dropout)
+        attention = functools.partial(_attention, scale=scaling, dropout=dropout)  # SDPA, or products (see there)
         if self.layout == "dense":
             mask = self.mask
             if sliding_window:
                 mask = mask & ((self.depth[:, None] - self.depth[None, :]) < sliding_window)
-            return sdpa(query, key, value, attn_mask=mask).transpose(1, 2)
+            return attention(query, key, value, attn_mask=mask).transpose(1, 2)
         outs = []
         for batch in self.batches:
             mask = batch.mask
@@ -134,7 +134,7 @@ class TreeAttentionPlan:
                 _gather(x, index)
                 for x, index in ((query, batch.query_index), (key, batch.key_index), (value, batch.key_index))
             )
-            outs.append(sdpa(q, k, v, attn_mask=mask).transpose(1, 2).flatten(0, 1))  # (B * Lq, H, D)
+            outs.append(attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(0, 1))  # (B * Lq, H, D)
         return torch.cat(outs).index_select(0, self.output_index).unsqueeze(0)
 
 
