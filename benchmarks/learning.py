@@ -124,8 +124,9 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from lightning_grpo.cli.main_job import DEFAULT_CONFIG
 
     config = yaml.safe_load(Path(DEFAULT_CONFIG).read_text())
-    pl.seed_everything(config["seed_everything"])
-    data = {**config["data"], "dataset_size": args.train_size, "val_size": args.val_size, **json.loads(args.ours_data)}
+    pl.seed_everything(args.seed)
+    data = {**config["data"], "dataset_size": args.train_size, "val_size": args.val_size, "seed": args.seed}
+    data |= json.loads(args.ours_data)
     data["reward_funcs"] = [args.reward]
     data["generator_dtype"] = None if args.generator_dtype == "none" else args.generator_dtype
     module = GRPOModule(**{**config["model"], "model": args.model, **json.loads(args.ours_model)})
@@ -180,6 +181,7 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "precision": _chosen(args.precision, trainer.precision_plugin.precision),
         "generator_dtype": data.get("generator_dtype"),
         "overrides": json.loads(args.ours_data) | json.loads(args.ours_model),
+        "seed": args.seed,
         "note": "generation runs in the rollout process, overlapping the trainer's time",
     }
 
@@ -221,7 +223,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     config = yaml.safe_load(Path(DEFAULT_CONFIG).read_text())
     data, hp = config["data"], config["model"]
     precision = choose_precision("cpu")[0] if args.precision == "auto" else args.precision
-    torch.manual_seed(config["seed_everything"])
+    torch.manual_seed(args.seed)
     model = load_policy(args.model, dtype=getattr(torch, hp.get("dtype", "float32")))
     tokenizer = load_tokenizer(args.model)
     train = load_prompts("arithmetic", size=args.train_size, seed=data["dataset_seed"])
@@ -229,7 +231,10 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     generation, rewards, steps, micro = _Timer(), _Timer(), _Timer(), _Timer()
     model.generate = generation.wrap(model.generate)
     reward = rewards.wrap(resolve_callable(args.reward, "reward_funcs"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=hp["learning_rate"], weight_decay=hp["weight_decay"])
+    # fused: TRL's default optimizer (`optim="adamw_torch_fused"`), which ours uses too
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=hp["learning_rate"], weight_decay=hp["weight_decay"], fused=True
+    )
     warmup = hp["warmup_steps"]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
     snapshots = Snapshots(out / "snapshots", args.snapshot_every)
@@ -270,7 +275,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         max_grad_norm=hp["max_grad_norm"],
         num_train_epochs=data["epochs"],
         max_steps=args.max_steps or -1,
-        seed=config["seed_everything"],
+        seed=args.seed,
         logging_steps=1,
         report_to="none",
         save_strategy="no",
@@ -304,6 +309,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "snapshots": snapshots.taken,
         "optimizer_steps": trainer.state.global_step,
         "prompts_per_step": groups_per_step,
+        "seed": args.seed,
         "precision": _chosen(args.precision, precision),
         "training_s": training_s,
         "snapshot_pause_s": round(snapshots.paused_s, 2),
@@ -405,6 +411,10 @@ def main() -> None:
         default="{}",
         help='JSON of GRPODataModule options over the config\'s, ours only, e.g. {"max_staleness": 1}',
     )
+    parser.add_argument(
+        "--seed", type=int, default=0,
+        help="both sides' run seed (sampling and prompt order; the problems stay those of the config's dataset_seed)",
+    )  # fmt: skip
     parser.add_argument("--sides", nargs="+", choices=["ours", "trl"], default=["ours", "trl"])
     parser.add_argument("--out", default=None, help="output folder (default: runs/learning/<time>)")
     parser.add_argument("--keep-snapshots", action="store_true")
@@ -473,6 +483,7 @@ _FORWARDED = (
     "generator_dtype",
     "ours_data",
     "ours_model",
+    "seed",
 )
 
 

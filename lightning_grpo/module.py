@@ -319,6 +319,7 @@ class GRPOModule(pl.LightningModule):
             weight_decay=hp.weight_decay,
             betas=hp.betas,
             warmup_steps=hp.warmup_steps,
+            fused=_gradient_scaler(self._trainer) is None,  # see `build_optimizers`
         )
 
     # -- checkpoints ------------------------------------------------------------------------------------------------
@@ -433,6 +434,11 @@ class GRPOModule(pl.LightningModule):
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _gradient_scaler(trainer: Any) -> Any:
+    """The fp16 gradient scaler of `trainer`'s precision plugin, if any (None without a trainer)."""
+    return getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
 
 
 def _max_steps_reached(trainer: pl.Trainer) -> bool:

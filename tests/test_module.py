@@ -181,6 +181,7 @@ def test_default_optimizer_is_adamw_over_trainable_parameters_with_a_linear_warm
     module = GRPOModule(tiny_model, learning_rate=0.3, warmup_steps=2, weight_decay=0.1)
     optimizer = module.configure_optimizers()["optimizer"]
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["weight_decay"] == 0.1
+    assert optimizer.defaults["fused"]  # TRL's default kernel (`optim="adamw_torch_fused"`), which CPUs have
     trained = [p for group in optimizer.param_groups for p in group["params"]]
     assert len(trained) == len(list(tiny_model.parameters())) - 1 and all(p.requires_grad for p in trained)
     assert scheduled_rates(module, 5) == pytest.approx([0.1, 0.2, 0.3, 0.3, 0.3])

@@ -149,6 +149,26 @@ def test_num_iterations_steps_the_optimizer_and_schedule_that_often_and_pushes_a
     assert len(source.transfer.sent) == 1 + 2  # the push at the start, then after batches 2 and 3
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_fused_adamw_steps_on_gradients_clipped_to_max_grad_norm(precision):
+    """The default AdamW is fused; Lightning's mixed-precision plugin refuses to clip for a fused optimizer, so the
+    module clips itself where there is no gradient scaler: the optimizer steps on gradients of norm `max_grad_norm`."""
+    import lightning.pytorch as pl
+
+    class GradientNorms(pl.Callback):
+        norms: list[float] = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+    norms = GradientNorms()
+    module = GRPOModule("tiny-random", learning_rate=1e-3, max_grad_norm=1e-3)
+    fit_replay(module, replay_steps(2), precision=precision, callbacks=[norms])
+    assert module.optimizers().optimizer.defaults["fused"]
+    assert norms.norms == pytest.approx([1e-3, 1e-3], rel=1e-3)
+
+
 def test_num_iterations_stops_at_max_steps():
     module = GRPOModule("tiny-random", learning_rate=1e-2, num_iterations=2)
     source = fit_replay(module, replay_steps(3), max_steps=3)

@@ -11,7 +11,8 @@ The modules are the Hugging Face model's own (embeddings, norms, projections, ML
 weights copied into the model in place are used at the next step; the cache and the attention over it are ours, and
 a step of up to `small_matmul.MAX_ROWS` tokens runs the linear layers through the small-batch kernel where it is
 available (same weights, the same products summed in another order); a bf16 model runs them through oneDNN with
-pre-packed weights where this CPU has its bf16 kernels. Supported: the families of
+pre-packed weights where this CPU has its bf16 kernels, q, k and v stacked into one product and gate and up into
+another (fewer, wider products; each output the same sum). Supported: the families of
 `architectures.ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3, Gemma 3), whose differences (norm placement, rotary
 embedding per layer type, sliding-window layers) that table holds. A sliding-window layer masks the cache positions
 outside its window; the cache itself keeps every position.
@@ -82,10 +83,55 @@ class _Linear:
         return packed_linear(x, self._packed, self.module.bias)
 
 
+class _Stacked:
+    """Linear layers that read the same input (q, k and v; gate and up) run as one oneDNN product over their weights
+    stacked and pre-packed: one wide product instead of several narrow ones, each output the same sum. Returns each
+    layer's output (column slices of one tensor). `pack()` re-stacks after the modules' weights changed in place."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.modules = modules
+        self._widths = [module.out_features for module in modules]
+        self.pack()
+
+    @staticmethod
+    def applies(modules: list[torch.nn.Module], packed: bool) -> bool:
+        """Whether `modules` can run stacked: packed, plain `nn.Linear`s (a LoRA or quantised layer computes more),
+        all with a bias or none."""
+        plain = all(type(module) is torch.nn.Linear for module in modules)
+        return packed and plain and len({module.bias is None for module in modules}) == 1
+
+    def pack(self) -> None:
+        with torch.inference_mode():
+            self._packed = pack_weight(torch.cat([module.weight.detach() for module in self.modules]))
+            biased = self.modules[0].bias is not None
+            self._bias = torch.cat([module.bias.detach() for module in self.modules]) if biased else None
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return packed_linear(x, self._packed, self._bias).split(self._widths, dim=-1)
+
+
+class _Separate:
+    """Linear layers that read the same input, each run as its `_Linear` (where `_Stacked` does not apply)."""
+
+    def __init__(self, modules: list[torch.nn.Module], packed: bool) -> None:
+        self._linears = [_Linear(module, packed) for module in modules]
+
+    def pack(self) -> None:
+        for linear in self._linears:
+            linear.pack()
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(linear(x) for linear in self._linears)
+
+
+def _same_input(modules: list[torch.nn.Module], packed: bool) -> _Stacked | _Separate:
+    return _Stacked(modules) if _Stacked.applies(modules, packed) else _Separate(modules, packed)
+
+
 class _Layer:
-    """One decoder layer's modules, its linear layers wrapped as `_Linear` (pre-packed with `packed`), its norms as
-    its `Architecture` names them, and its attention window (None: full) and rotary embedding's layer type (None:
-    the one for all layers)."""
+    """One decoder layer's modules, its linear layers wrapped as `_Linear` (pre-packed with `packed`; q, k and v, and
+    gate and up, stacked where `_Stacked` applies), its norms as its `Architecture` names them, and its attention
+    window (None: full) and rotary embedding's layer type (None: the one for all layers)."""
 
     def __init__(
         self, layer: torch.nn.Module, norms: tuple, window: int | None, rotary_type: str | None, packed: bool = False
@@ -95,16 +141,18 @@ class _Layer:
         self.pre_attention, self.post_attention, self.pre_mlp, self.post_mlp = (
             getattr(layer, name) if name else _identity for name in norms
         )
-        self.q, self.k, self.v, self.o = (_Linear(getattr(attention, f"{n}_proj"), packed) for n in "qkvo")
-        self.gate, self.up, self.down = (_Linear(getattr(mlp, f"{n}_proj"), packed) for n in ("gate", "up", "down"))
-        self.linears = (self.q, self.k, self.v, self.o, self.gate, self.up, self.down)
+        self.qkv = _same_input([attention.q_proj, attention.k_proj, attention.v_proj], packed)
+        self.o = _Linear(attention.o_proj, packed)
+        self.gate_up = _same_input([mlp.gate_proj, mlp.up_proj], packed)
+        self.down = _Linear(mlp.down_proj, packed)
+        self.linears = (self.qkv, self.o, self.gate_up, self.down)
         self.act = mlp.act_fn
         self.window, self.rotary_type = window, rotary_type
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The model's MLP branch: `down(act(gate(x)) * up(x))` between the layer's norms."""
-        x = self.pre_mlp(x)
-        return self.post_mlp(self.down(self.act(self.gate(x)) * self.up(x)))
+        gate, up = self.gate_up(self.pre_mlp(x))
+        return self.post_mlp(self.down(self.act(gate) * up))
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +204,8 @@ class SlotDecoder:
         model: a causal LM of a supported type (`check_supported`), in eval mode.
         packed: run linear layers through oneDNN with pre-packed weights (`packing_available`): in fp32 a large LM
             head (the small-batch kernel takes the layers' few rows), in bf16 every linear layer (oneDNN's packed bf16
-            products beat its plain ones at every row count); call `repack()` after the model's weights change.
+            products beat its plain ones at every row count), the projections that read the same input stacked;
+            call `repack()` after the model's weights change.
     """
 
     def __init__(self, model: PreTrainedModel, packed: bool = False) -> None:
@@ -314,9 +363,10 @@ class SlotDecoder:
         attention = layer.attention
         x = layer.pre_attention(hidden)
         count = x.shape[0]
-        q = layer.q(x).view(count, self.heads, self.head_dim)
-        k = layer.k(x).view(count, self.kv_heads, self.head_dim)
-        v = layer.v(x).view(count, self.kv_heads, self.head_dim)
+        q, k, v = layer.qkv(x)
+        q = q.view(count, self.heads, self.head_dim)
+        k = k.view(count, self.kv_heads, self.head_dim)
+        v = v.view(count, self.kv_heads, self.head_dim)
         if self._qk_norm:
             q, k = attention.q_norm(q), attention.k_norm(k)
         q, k = self._rope(q, k, cos, sin, unsqueeze_dim=1)

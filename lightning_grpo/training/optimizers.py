@@ -72,14 +72,17 @@ def build_optimizers(
     weight_decay: float,
     betas: tuple[float, float],
     warmup_steps: int,
+    fused: bool = True,
 ) -> dict[str, Any]:
     """Lightning's `configure_optimizers` answer: the optimizer over `parameters` and its per-step schedule (the
-    warm-up first, then `lr_scheduler` if any, through `SequentialLR`)."""
+    warm-up first, then `lr_scheduler` if any, through `SequentialLR`). The default AdamW runs on torch's fused
+    kernel when `fused` and the kernel takes the parameters (pass False under a gradient scaler: the fused kernel
+    unscales by itself, after the clipping)."""
     parameters = list(parameters)
     if optimizer is not None:
         built = optimizer(parameters)
     else:
-        built = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=weight_decay, betas=tuple(betas))
+        built = _adamw(parameters, fused, lr=learning_rate, weight_decay=weight_decay, betas=tuple(betas))
     schedules = torch.optim.lr_scheduler
     warmup = warmup_steps
     scheduler = schedules.LinearLR(built, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup)
@@ -87,6 +90,18 @@ def build_optimizers(
         after = lr_scheduler(built)
         scheduler = schedules.SequentialLR(built, [scheduler, after], milestones=[warmup]) if warmup else after
     return {"optimizer": built, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _adamw(parameters: list[torch.nn.Parameter], fused: bool, **options: Any) -> torch.optim.AdamW:
+    """AdamW on torch's fused kernel when `fused` and it takes `parameters` (TRL's default,
+    `optim="adamw_torch_fused"`; on a CPU the default is a loop of several whole-tensor passes per parameter, the
+    fused kernel makes one), else the default implementation."""
+    if not fused:
+        return torch.optim.AdamW(parameters, **options)
+    try:
+        return torch.optim.AdamW(parameters, fused=True, **options)
+    except RuntimeError:  # a parameter on a device without the kernel, or not floating point
+        return torch.optim.AdamW(parameters, **options)
 
 
 def _plain(value: Any) -> Any:
