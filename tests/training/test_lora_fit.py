@@ -72,7 +72,9 @@ def fit(folder: Path, *, ckpt_path: str | None = None) -> tuple[GRPOModule, pl.T
     )
     module = lora_module()
     before = {p.pid for p in live_children()}  # e.g. another module's vLLM server on the same xdist worker
-    trainer.fit(module, datamodule=tiny_datamodule(PROMPTS), ckpt_path=ckpt_path)
+    # the tests count one step per prompt: no group may be dropped as stale, whatever the machine's load does to the
+    # generator's lead (a group started before a weight push arrived would be 3 versions old at the last step)
+    trainer.fit(module, datamodule=tiny_datamodule(PROMPTS, max_staleness=PROMPTS), ckpt_path=ckpt_path)
     leaked = wait_no_children(ignore=before)
     assert not leaked, f"processes left behind: {[describe(p) for p in leaked]}"
     return module, trainer, snapshots
@@ -92,8 +94,9 @@ def checkpoint(folder: Path, step: int) -> Path:
 @pytest.mark.timeout(300)
 def test_bf16_mixed_lora_fit_with_checkpointing_ends_by_itself_with_finite_metrics_and_trains_only_adapters(lora_fit):
     folder, module, trainer, snapshots = lora_fit
-    assert trainer.global_step == PROMPTS
     metrics = pd.read_csv(next(folder.rglob("metrics.csv"))).dropna(subset=["loss"])
+    dropped = {name: metrics[name].iloc[-1] for name in metrics if name.startswith("progress/dropped_")}
+    assert trainer.global_step == PROMPTS, dropped
     assert len(metrics) == PROMPTS
     for name in ("loss", "ratio", "kl", "entropy", "reward"):
         assert all(math.isfinite(v) for v in metrics[name]), (name, list(metrics[name]))
