@@ -84,7 +84,8 @@ class GRPOModule(pl.LightningModule):
     Optimizer and schedule: AdamW (`learning_rate`, `weight_decay`, `betas`; torch's fused kernel, TRL's default,
     where it takes the parameters) with a linear warm-up over `warmup_steps` and then a constant rate, unless
     `optimizer` / `lr_scheduler` say otherwise. Both follow LightningCLI's callable pattern: in YAML,
-    `model.optimizer: {class_path: torch.optim.SGD, init_args: {lr: 0.1}}` and `model.lr_scheduler: {class_path: torch.optim.lr_scheduler.CosineAnnealingLR, init_args: {T_max: 40}}`; in
+    `model.optimizer: {class_path: torch.optim.SGD, init_args: {lr: 0.1}}` and
+    `model.lr_scheduler: {class_path: torch.optim.lr_scheduler.CosineAnnealingLR, init_args: {T_max: 40}}`; in
     Python, any callable such as `functools.partial(torch.optim.SGD, lr=0.1)`. The optimizer gets the policy's
     parameters that require grad, once `configure_model` has loaded the policy. With `warmup_steps` and an
     `lr_scheduler`, the warm-up runs first and the scheduler starts after it (`SequentialLR`). Resuming from a
