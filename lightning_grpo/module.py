@@ -31,7 +31,7 @@ from .training.policy import (
     trainable_parameters,
 )
 from .training.reference import ReferenceModel, ReferencePolicy, adapters_start_at_zero, make_reference
-from .training.sharding import check_strategy, clip_gradient_norm, gradient_sync, shard_policy
+from .training.sharding import check_strategy, clip_gradient_norm, gradient_scaler, gradient_sync, shard_policy
 from .training.step_metrics import StepMetrics
 from .validation.metrics import ValidationTally, check_validation_options
 from .validation.step import log_tally, start_tally, validate_batch
@@ -320,7 +320,7 @@ class GRPOModule(pl.LightningModule):
             weight_decay=hp.weight_decay,
             betas=hp.betas,
             warmup_steps=hp.warmup_steps,
-            fused=_gradient_scaler(self._trainer) is None,  # see `build_optimizers`
+            fused=gradient_scaler(self._trainer) is None,  # see `build_optimizers`
         )
 
     # -- checkpoints ------------------------------------------------------------------------------------------------
@@ -435,11 +435,6 @@ class GRPOModule(pl.LightningModule):
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _gradient_scaler(trainer: Any) -> Any:
-    """The fp16 gradient scaler of `trainer`'s precision plugin, if any (None without a trainer)."""
-    return getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
 
 
 def _max_steps_reached(trainer: pl.Trainer) -> bool:

@@ -156,7 +156,8 @@ def test_the_fused_adamw_steps_on_gradients_clipped_to_max_grad_norm(precision):
     import lightning.pytorch as pl
 
     class GradientNorms(pl.Callback):
-        norms: list[float] = []
+        def __init__(self) -> None:
+            self.norms: list[float] = []
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]

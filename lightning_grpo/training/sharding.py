@@ -92,6 +92,11 @@ def is_sharded(policy: torch.nn.Module, wrapped: torch.nn.Module | None) -> bool
     return is_fsdp2(policy) or isinstance(wrapped, FullyShardedDataParallel)
 
 
+def gradient_scaler(trainer: Any) -> Any:
+    """The fp16 gradient scaler of `trainer`'s precision plugin, if any (None without a trainer)."""
+    return getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+
+
 def clip_gradient_norm(module: Any, optimizer: Any, max_norm: float) -> None:
     """Clip the policy's gradient norm to `max_norm` over all ranks: FSDP1 clips through its root wrapper (Lightning's
     `clip_gradients` refuses norm clipping under FSDP1); a fused optimizer without a gradient scaler through torch
@@ -99,14 +104,14 @@ def clip_gradient_norm(module: Any, optimizer: Any, max_norm: float) -> None:
     give the global norm)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    wrapped = module.trainer.model
+    trainer = module.trainer
     inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps it
-    if isinstance(wrapped, FullyShardedDataParallel):
-        wrapped.clip_grad_norm_(max_norm)
-    elif inner.defaults.get("fused") and getattr(module.trainer.precision_plugin, "scaler", None) is None:
+    if isinstance(trainer.model, FullyShardedDataParallel):
+        trainer.model.clip_grad_norm_(max_norm)
+    elif inner.defaults.get("fused") and gradient_scaler(trainer) is None:
         # the plugin refuses an optimizer that unscales gradients by itself (a fused one) even in bf16, which has no
-        # scaler to unscale: nothing to wait for, so clip here
-        torch.nn.utils.clip_grad_norm_([p for group in inner.param_groups for p in group["params"]], max_norm)
+        # scaler to unscale: its own norm clipping, without that check
+        trainer.precision_plugin.clip_grad_by_norm(inner, max_norm)
     else:
         module.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
 
