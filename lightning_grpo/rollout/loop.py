@@ -31,6 +31,7 @@ from .chat import conversation_chat_template, ensure_tool_parser
 from .conversation import Conversation, ConversationOptions
 from .environments import Environments, prompt_of, tool_methods, with_observation
 from .groups import Group, Rollout, assemble
+from .pacing import Pacing
 from .records import GENERATOR_REPLICA, LEARNING_SIGNAL, SCORE_PAYLOAD, RolloutSample
 from .reward_pool import RewardProcessPool
 from .schedule import GroupSchedule
@@ -71,9 +72,9 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
     `consumed` are skipped (exactly-once resume). After the last id the loop schedules nothing and idles with its
     heartbeat alive.
 
-    Pacing: with `groups_per_step` set, a group is admitted only while groups admitted minus groups the trainer
-    consumed stay below `(max_staleness + 1) * groups_per_step`, so with a steady trainer no group arrives staler
-    than `max_staleness` and the trainer's stale drop stays a safety net.
+    Pacing: with `groups_per_step` set, groups are admitted within `max_staleness` steps of the trainer (see
+    `Pacing`), so with a steady trainer no group arrives staler than that and the trainer's stale drop stays a
+    safety net.
 
     Tools and environments (TRL's `tools`, `environment_factory`, `max_tool_calling_iterations`): each rollout is a
     `Conversation`: every turn renders the conversation so far with the chat template, the policy's tool calls run
@@ -176,7 +177,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         self._reward_timeout = reward_timeout
         self._schedule = GroupSchedule(len(self.dataset), epochs=epochs, seed=seed, shuffle=shuffle)
         self._consumed = frozenset(consumed)
-        self._pacing_window = None if groups_per_step is None else (max_staleness + 1) * groups_per_step
+        self._pacing = None if groups_per_step is None else Pacing(groups_per_step, max_staleness)
         self._groups_consumed_value = groups_consumed_value
         self._admitted = 0
         self._pool_stats_pushed: dict[str, float] = {}
@@ -242,9 +243,9 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         return int(self._model_version_value.value)
 
     def _admissible(self) -> bool:
-        if self._pacing_window is None or self._groups_consumed_value is None:
+        if self._pacing is None or self._groups_consumed_value is None:
             return True
-        return self._admitted - int(self._groups_consumed_value.value) < self._pacing_window
+        return self._pacing.admits(self._admitted - int(self._groups_consumed_value.value))
 
     def _scheduled_ids(self) -> Iterable[int]:
         return self._schedule.group_ids(skip=self._consumed)

@@ -1,0 +1,30 @@
+"""How far the rollout loop may run ahead of the trainer: whole groups, within `max_staleness` steps."""
+
+from __future__ import annotations
+
+
+class Pacing:
+    """Admission of prompt groups ahead of the trainer.
+
+    A group is admitted while the groups admitted and not yet consumed by the trainer (trained and committed, or
+    dropped) stay below the window, `(max_staleness + 1) * groups_per_step`: with a steady trainer no group arrives
+    staler than `max_staleness`. Once the window is full, admission resumes only when a whole step's groups fit
+    again, so a step's groups start together (sampled in one batch, by the newest weights) instead of one at a time
+    as the trainer drops single groups, which would keep the window full and every group as stale as the bound
+    allows. Where the window is a single step (`max_staleness=0`) it resumes as soon as one group fits: the trainer's
+    unfinished step may be waiting for a replacement of a group it dropped.
+
+    Args:
+        groups_per_step: prompt groups per optimizer step.
+        max_staleness: policy versions a group may lag when it trains.
+    """
+
+    def __init__(self, groups_per_step: int, max_staleness: int) -> None:
+        self.window = (max_staleness + 1) * groups_per_step
+        self._resume_below = max(max_staleness * groups_per_step + 1, groups_per_step)
+        self._held_back = False
+
+    def admits(self, ahead: int) -> bool:
+        """Whether one more group may start now, with `ahead` groups admitted and not yet consumed."""
+        self._held_back = ahead >= (self._resume_below if self._held_back else self.window)
+        return not self._held_back
