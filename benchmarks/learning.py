@@ -9,7 +9,7 @@ curves) under `--out`.
 
 - ours: the main job, `lightning_grpo/configs/arithmetic.yaml`'s model and data options (SmolLM2-135M-Instruct,
   192 problems, `accuracy`, 8 completions, 4 prompt groups per optimizer step in 2 micro-batches, lr 2e-5 with 4
-  warm-up steps then constant, T=0.7, 64 tokens, clip 0.2, one epoch, `max_staleness=2`): asynchronous, the
+  warm-up steps then constant, T=0.7, 64 tokens, clip 0.2, one epoch, `max_staleness=1`): asynchronous, the
   embedded generator on one core beside the trainer; by default in the precision the command chooses here
   (`--precision auto`: `AutoPrecision`, and the generator's `generator_dtype="auto"`);
 - TRL: `trl.GRPOTrainer` 1.16, synchronous (generate with HF `generate`, then train), `use_cpu=True`, with the same

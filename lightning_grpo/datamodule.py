@@ -27,7 +27,6 @@ from .pipeline.stream import RolloutPipeline, StepStream
 from .rollout.core_sharing import CoreSharing
 from .rollout.schedule import GroupSchedule
 from .serving.server_checks import check_vllm_servers
-from .training.allocator import reuse_freed_memory
 from .training.threads import FitThreads
 from .validation.scoring import ValidationScorer
 from .weights.factory import build_weight_sync
@@ -118,8 +117,7 @@ class GRPODataModule(pl.LightningDataModule):
         temperature: sampling temperature; the loss divides the policy's logits by the same temperature.
         top_p: nucleus sampling mass kept, in (0, 1].
         top_k: tokens kept by rank when sampling; 0 keeps all.
-        min_p: drop tokens less likely than `min_p` times the most likely one, in [0, 1] (TRL's `min_p`); None
-            keeps all.
+        min_p: drop tokens less likely than `min_p` times the most likely, in [0, 1] (TRL's `min_p`); None keeps all.
         repetition_penalty: > 0 (TRL's `repetition_penalty`); above 1 discourages tokens already in the prompt or
             the completion, as vLLM applies it; 1 is off.
         stop: strings that end a completion as an EOS does (vLLM's `stop`): the completion keeps the token that
@@ -144,15 +142,9 @@ class GRPODataModule(pl.LightningDataModule):
             that dies fails the run naming it (see `lightning_grpo.rollout.replicas`). 1: the generator runs in the
             rollout child. For several vLLM servers, list them in `vllm_server_url`.
         trainer_threads: torch threads the trainer trains with during `fit` (restored afterwards). `"auto"`: on a CPU
-            with the embedded generator and one process, the cores the generator does not use, so the two do not
-            oversubscribe the CPU, and each side runs on the other's cores too while the other is idle (the generator
-            paced or out of work, the trainer waiting for rollouts; see `lightning_grpo.training.threads`); a number: that
-            many, always; None: leave torch's setting alone.
-        cpu_allocator: training on a CPU, `"reuse"` makes glibc keep freed memory for reuse, so the step's large
-            tensors (a 49k-token vocabulary's gradient and bf16 copies) stop being faulted in afresh every
-            micro-batch; the trainer process then holds its largest step's memory until it exits (see
-            `lightning_grpo.training.allocator`; nothing changes where the C library is not glibc). `"system"`: leave
-            the allocator as it is.
+            with the embedded generator and one process, the cores the generator leaves, each side also running on
+            the other's while it is idle (see `lightning_grpo.training.threads`); a number: that many, always; None:
+            leave torch's setting alone.
         val_batch_size: held-out prompts per validation batch.
         loop_cls: a `GRPORolloutLoop` subclass (or its import path) for the rollout child to run instead, e.g. one
             that overrides `_trainer_score_payload` to send trainer scorers what they need beyond the samples
@@ -223,7 +215,6 @@ class GRPODataModule(pl.LightningDataModule):
         generator_dtype: Literal["auto", "float32", "bfloat16"] | None = "auto",
         generator_replicas: int = 1,
         trainer_threads: int | Literal["auto"] | None = "auto",
-        cpu_allocator: Literal["reuse", "system"] = "reuse",
         val_batch_size: int = 16,
         loop_cls: str | type | None = None,
         loop_kwargs: dict[str, Any] | None = None,
@@ -277,10 +268,7 @@ class GRPODataModule(pl.LightningDataModule):
         if self.train_prompts is None:
             self._load()
         if stage == "fit":
-            on_cpu = _on_cpu(self.trainer)
-            self._threads.apply(self.hparams, on_cpu=on_cpu, world_size=self.trainer.world_size)
-            if on_cpu and self.hparams.cpu_allocator == "reuse":
-                log.info("Memory: %s.", reuse_freed_memory())
+            self._threads.apply(self.hparams, on_cpu=_on_cpu(self.trainer), world_size=self.trainer.world_size)
             check_group_fits(self.hparams, self.trainer.world_size, self._longest_prompt)
             self._make_weight_sync()
             world = self.trainer.world_size

@@ -10,7 +10,6 @@ from ..models.precision import GENERATOR_DTYPES
 from ..pipeline.session import LOOP_OPTION_NAMES
 from ..rollout.stop_strings import VLLM_MAX_STOP_STRINGS, check_stop
 from ..rollout.vllm_servers import server_urls
-from ..training.allocator import CPU_ALLOCATORS
 from ..training.threads import is_trainer_threads
 from .formats import DATASET_FORMATS
 
@@ -53,8 +52,6 @@ def validate_options(hp: Any) -> None:
         problems.append(f"reward_num_workers={hp.reward_num_workers}, reward_timeout={hp.reward_timeout}")
     if not is_trainer_threads(hp.trainer_threads):
         problems.append(f"trainer_threads={hp.trainer_threads!r} (a positive number of threads, 'auto' or None)")
-    if hp.cpu_allocator not in CPU_ALLOCATORS:
-        problems.append(f"cpu_allocator={hp.cpu_allocator!r} (one of {', '.join(map(repr, CPU_ALLOCATORS))})")
     if hp.samples_per_row is not None and hp.samples_per_row < 1:
         problems.append(f"samples_per_row={hp.samples_per_row} (must be at least 1)")
     if hp.advantage_estimator not in ("grpo", "rloo", "reinforce_plus_plus"):

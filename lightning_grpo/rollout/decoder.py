@@ -222,6 +222,7 @@ class SlotDecoder:
         ]
         head = model.lm_head
         self._head = _Linear(head, packed and (pack_layers or head.weight.numel() >= _PACK_MIN_NUMEL))
+        self._vocab_size = head.weight.shape[0]
         attention = self._layers[0].attention
         self._rope = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the model's own rotation
         self._qk_norm = hasattr(attention, "q_norm")
@@ -307,6 +308,8 @@ class SlotDecoder:
             the logits after each row's token (rows, vocab), and each prompt's `Prefix`.
         """
         rows = tokens.numel()
+        if not rows and not prompts:  # every row just finished and the joining ones start from cached prompts
+            return torch.empty(0, self._vocab_size), []
         lengths = self.lengths[:rows]
         prompt_ids = [torch.tensor(p, dtype=torch.long) for p in prompts]
         ids = torch.cat([tokens.long(), *prompt_ids])

@@ -9,10 +9,10 @@ class Pacing:
     A group is admitted while the groups admitted and not yet consumed by the trainer (trained and committed, or
     dropped) stay below the window, `(max_staleness + 1) * groups_per_step`: with a steady trainer no group arrives
     staler than `max_staleness`. Once the window is full, admission resumes only when a whole step's groups fit
-    again, so a step's groups start together (sampled in one batch, by the newest weights) instead of one at a time
-    as the trainer drops single groups, which would keep the window full and every group as stale as the bound
-    allows. Where the window is a single step (`max_staleness=0`) it resumes as soon as one group fits: the trainer's
-    unfinished step may be waiting for a replacement of a group it dropped.
+    again, so a step's groups start together (prefilled and sampled in one batch, by the newest weights) instead of
+    one at a time as the trainer drops single groups. Where the window is a single step (`max_staleness=0`) it
+    resumes as soon as one group fits: the trainer's unfinished step may be waiting for a replacement of a group it
+    dropped.
 
     Args:
         groups_per_step: prompt groups per optimizer step.

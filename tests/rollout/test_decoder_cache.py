@@ -66,3 +66,13 @@ def test_growing_the_cache_keeps_every_slots_keys_and_values_and_the_keys_layout
         assert not new[slots:].any() and not new[:, :, capacity:].any()
     for keys in slot_decoder._keys:  # positions last in memory: a row's first keys are a matrix read in place
         assert keys.shape[2:] == (320, slot_decoder.head_dim) and keys.stride()[2:] == (1, 320)
+
+
+def test_a_step_with_no_rows_and_no_prompt_to_prefill_runs_nothing():
+    """Every running row finished in the last step and the requests joining now all start from a prompt whose
+    prefill is cached: the continuous batch asks for a step over nothing, which must give no logits, not fail."""
+    slot_decoder = decoder(torch.float32)
+    logits, prefixes = slot_decoder.step(torch.empty(0, dtype=torch.long), [])
+    assert logits.shape == (0, slot_decoder._vocab_size) and prefixes == []
+    logits, (prefix,) = slot_decoder.step(torch.empty(0, dtype=torch.long), [[2, 40, 41]])  # a prefill still runs
+    assert logits.shape == (0, slot_decoder._vocab_size) and prefix.logits.shape == (slot_decoder._vocab_size,)

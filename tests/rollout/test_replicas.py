@@ -89,7 +89,8 @@ def test_a_replica_that_goes_silent_fails_every_later_request_naming_it(no_leake
 
     try:
         outputs = asyncio.run(two_groups())
-        assert [len(output.token_ids) for output in outputs] == [4, 4]
+        for output in outputs:  # 4 tokens, or fewer ending at the tiny model's EOS (id 3; sampling is unseeded)
+            assert len(output.token_ids) == 4 or (0 < len(output.token_ids) < 4 and output.token_ids[-1] == 3)
         assert {replicas.replica_of(0), replicas.replica_of(1)} == {0, 1}
         with pytest.raises(ValueError, match="Generator replica 0: .*outside the model's vocabulary"):
             asyncio.run(on_group(0, [10**6]))
