@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from static_batcher import StaticBatcher  # noqa: E402  (benchmarks/static_batcher.py)
 
-from lightning_grpo.data.sources import arithmetic_dataset  # noqa: E402
+from lightning_grpo.data.arithmetic import arithmetic_dataset  # noqa: E402
 from lightning_grpo.models import load_policy, load_tokenizer  # noqa: E402
 from lightning_grpo.rollout.generator import EmbeddedGenerator  # noqa: E402
 from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer  # noqa: E402

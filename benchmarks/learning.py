@@ -218,7 +218,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from lightning_grpo.cli.main_job import DEFAULT_CONFIG
     from lightning_grpo.data.sources import load_prompts
     from lightning_grpo.models import load_policy, load_tokenizer
-    from lightning_grpo.training.auto_precision import choose_precision
+    from lightning_grpo.training.precision_plugin import choose_precision
 
     config = yaml.safe_load(Path(DEFAULT_CONFIG).read_text())
     data, hp = config["data"], config["model"]

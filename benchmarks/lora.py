@@ -298,7 +298,7 @@ def section_push_embedded(args: argparse.Namespace) -> None:
 
 def section_push_vllm(args: argparse.Namespace) -> None:
     from lightning_grpo.models import load_policy
-    from lightning_grpo.serving.vllm_server import VLLMServer
+    from lightning_grpo.serving.vllm_launcher import VLLMServer
     from lightning_grpo.weights.sync import WeightSync
     from lightning_grpo.weights.vllm_http import VLLMHTTPWeightTransfer
     from lightning_grpo.weights.vllm_lora import VLLMLoRAWeightTransfer

@@ -66,7 +66,7 @@ def tiny_setup() -> Setup:
 
 
 def smollm2_setup() -> Setup:
-    from lightning_grpo.data.sources import arithmetic_dataset
+    from lightning_grpo.data.arithmetic import arithmetic_dataset
     from lightning_grpo.models import load_policy, load_tokenizer
     from lightning_grpo.rewards import accuracy
     from lightning_grpo.rollout.chat import ensure_tool_parser
@@ -175,7 +175,7 @@ def _packing_ratio(group) -> float:
 
 
 def start_server(setup: Setup):
-    from lightning_grpo.serving.vllm_server import VLLMServer, vllm_unavailable_reason
+    from lightning_grpo.serving.vllm_launcher import VLLMServer, vllm_unavailable_reason
     from lightning_grpo.weights.vllm_http import VLLMHTTPWeightTransfer
 
     reason = vllm_unavailable_reason()

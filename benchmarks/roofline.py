@@ -56,7 +56,7 @@ import common  # noqa: I001  (first: sets the offline environment before torch a
 import torch  # noqa: E402
 
 from lightning_grpo.models import load_policy  # noqa: E402
-from lightning_grpo.models.precision import matmul_gflops, probe_matmul_precision  # noqa: E402
+from lightning_grpo.models.dtype_probe import matmul_gflops, probe_matmul_precision  # noqa: E402
 
 BATCHES = (1, 8, 32, 64)
 #: Rows of the prefill- and train-sized products among the peaks' shapes.
@@ -160,7 +160,7 @@ def measure_peaks(shape: Shape, seconds: float) -> dict:
 def _products(dims: tuple[int, int, int], seconds: float) -> dict[str, float]:
     """GFLOP/s of one product in each dtype, the faster of torch's `linear` and oneDNN on a pre-packed weight (where
     torch has it for the dtype: the generator's path), each also under its own key ("fp32 linear", "bf16 packed")."""
-    from lightning_grpo.rollout.decoder import packing_available
+    from lightning_grpo.models.packed_matmul import packing_available
 
     speeds = {}
     for dtype, torch_dtype in DTYPES.items():

@@ -35,7 +35,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_grpo import GRPODataModule, GRPOModule  # noqa: E402
 from lightning_grpo.rollout import start_method  # noqa: E402
-from lightning_grpo.serving.vllm_server import VLLMServer  # noqa: E402
+from lightning_grpo.serving.vllm_launcher import VLLMServer  # noqa: E402
 
 MODELS = common.MODELS
 REWARDS = {"smollm2": ["lightning_grpo.rewards.accuracy"], "tiny": ["lightning_grpo.rewards.numeric_closeness"]}

@@ -91,7 +91,7 @@ def build_policy(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Modu
 
 def trainer_worker(job: dict[str, Any]) -> dict[str, Any]:
     """One configuration's optimizer steps (see the module docstring)."""
-    from lightning_grpo.training.auto_precision import choose_precision
+    from lightning_grpo.training.precision_plugin import choose_precision
 
     torch.set_num_threads(job["threads"])
     precision = choose_precision("cpu")[0]
@@ -110,7 +110,7 @@ def rollout_worker(job: dict[str, Any]) -> dict[str, Any]:
     """The embedded generator sampling one step's completions (see the module docstring)."""
     import asyncio
 
-    from lightning_grpo.models.precision import resolve_generator_dtype
+    from lightning_grpo.models.dtype_probe import resolve_generator_dtype
     from lightning_grpo.rollout.generator import EmbeddedGenerator
 
     dtype, _ = resolve_generator_dtype("auto", torch.float32)

@@ -32,7 +32,7 @@ import generation as base  # noqa: E402  (benchmarks/generation.py)
 import torch  # noqa: E402
 
 from lightning_grpo.models import load_policy  # noqa: E402
-from lightning_grpo.serving.vllm_server import VLLMServer, vllm_unavailable_reason
+from lightning_grpo.serving.vllm_launcher import VLLMServer, vllm_unavailable_reason
 from lightning_grpo.weights.vllm_http import VLLMHTTPWeightTransfer
 
 _SERVERS: dict[str, VLLMServer] = {}

@@ -79,7 +79,10 @@ class CompletionsTableCallback(Callback):
         return step == 1 or step % every == 0 or trainer.should_stop
 
     def _log_last(self, trainer: pl.Trainer) -> None:
-        (batch, step, version, scored), self._last = self._last, None
+        last, self._last = self._last, None
+        if last is None:
+            return
+        batch, step, version, scored = last
         rows = completion_rows(
             batch, step=step, policy_version=version, scored=scored, limit=self.num_completions_to_print
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any
@@ -19,7 +20,8 @@ class GRPOProgressBar(TQDMProgressBar):
 
     A run ends when its prompt groups are consumed, not after a number of batches (an optimizer step trains several
     groups, and a dropped group counts without a step), so the bar's total, its rate and its ETA are in groups.
-    Beside it: the step, the mean `reward` and staleness (`stale`) of the last step, and the groups `dropped` so far.
+    Beside it: the step, the mean `reward` and staleness (`stale`) of the last step, and the groups `dropped` so far;
+    metrics show 3 significant digits, as in Lightning's bar (`format_metric`).
     A resumed run starts at the groups its checkpoint had consumed, and its rate counts only this run's.
 
     It shows the state after each optimizer step when the next one starts, and at the end. In a terminal the bar
@@ -134,11 +136,11 @@ class GRPOProgressBar(TQDMProgressBar):
         logged = trainer.callback_metrics
         for key, label in (("reward", "reward"), ("sample/staleness_mean", "stale")):
             if key in logged:
-                metrics[label] = f"{float(logged[key]):.3f}"
+                metrics[label] = float(logged[key])
         summary = _summary(trainer)
         if summary is not None:
             metrics["dropped"] = summary.get("groups_dropped", 0)
-        return metrics
+        return {key: format_metric(value) for key, value in metrics.items()}
 
     def _read_summary(self, trainer: pl.Trainer) -> None:
         summary = _summary(trainer)
@@ -183,9 +185,17 @@ class GRPOProgressBar(TQDMProgressBar):
         if not self.prints_lines or trainer.sanity_checking:
             return
         logged = trainer.callback_metrics
-        values = " ".join(f"{k}={float(v):.3f}" for k, v in logged.items() if k.startswith("val/"))
+        values = " ".join(f"{k}={format_metric(float(v))}" for k, v in logged.items() if k.startswith("val/"))
         took = Tqdm.format_interval(time.monotonic() - self._validation_started)
         print(f"{self.validation_description} at step {trainer.global_step} [{took}]: {values}", flush=True)
+
+
+def format_metric(value: Any) -> Any:
+    """A float as Lightning's TQDM bar shows it: 3 significant digits, padded (`0.792`, `12.00`, `1.23e+3`); NaN and
+    infinities as `nan`, `inf`; anything else unchanged."""
+    if not isinstance(value, float):
+        return value
+    return Tqdm.format_num(value) if math.isfinite(value) else str(value)
 
 
 def _summary(trainer: pl.Trainer) -> dict[str, int] | None:

@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_grpo.contract import require_rollout_source
-from lightning_grpo.pipeline.batch import StepBatch
+from lightning_grpo.pipeline.ledger import RolloutStop
 
 from .preemption import preempting
 from .weight_sync import WeightSyncCallback
@@ -85,7 +85,7 @@ class RolloutStopCallback(Callback):
         self._end(trainer, stop)
 
     @staticmethod
-    def _end(trainer: pl.Trainer, stop: StepBatch | None) -> None:
+    def _end(trainer: pl.Trainer, stop: RolloutStop | None) -> None:
         if stop is None or stop.preempted:  # Lightning raises SIGTERMException once this batch's hooks ran
             return
         if stop.error:

@@ -9,12 +9,10 @@ from __future__ import annotations
 import os as _os
 from typing import TYPE_CHECKING
 
-from . import _moved
 from ._imports import lazy_exports
 
 # TRL marks `trl.experimental` unstable on every import; we pin the TRL minor release instead.
 _os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-_moved.install()
 
 # public name -> submodule that defines it
 _EXPORTS = {
@@ -42,22 +40,22 @@ _EXPORTS = {
     "RolloutStop": "pipeline.ledger",
     "StepBatch": "pipeline.batch",
     # trainer scoring
-    "TrainerScorer": "scoring.scorer",
+    "TrainerScorer": "scoring.trainer_scorer",
     "ScoringCollator": "scoring.collator",
     "score_step": "scoring.step",
     "chunk_inputs": "scoring.packing",
     "chunk_sequences": "scoring.packing",
     "pack_sequences": "scoring.packing",
     "unpack_sequences": "scoring.packing",
-    "RewardModelScorer": "scoring.scorers",
-    "FeatureMatchingScorer": "scoring.scorers",
+    "RewardModelScorer": "scoring.builtin_scorers",
+    "FeatureMatchingScorer": "scoring.builtin_scorers",
     # weight sync and serving
     "WeightSync": "weights.sync",
     "SharedMemoryWeightTransfer": "weights.shared_memory",
     "VLLMHTTPWeightTransfer": "weights.vllm_http",
     "VLLMLoRAWeightTransfer": "weights.vllm_lora",
     "make_weight_transfer": "weights.factory",
-    "VLLMServer": "serving.vllm_server",
+    "VLLMServer": "serving.vllm_launcher",
     # the trainer
     "RolloutContract": "contract",
     "RolloutSource": "contract",
@@ -70,7 +68,7 @@ _EXPORTS = {
     "StepReplay": "training.replay",
     "GRPOModule": "module",
     "StepMetrics": "training.step_metrics",
-    "AutoPrecision": "training.auto_precision",
+    "AutoPrecision": "training.precision_plugin",
     "GRPODataModule": "datamodule",
     "export_policy": "cli.export",
 }
@@ -97,16 +95,16 @@ if TYPE_CHECKING:
     from .rollout.reward_pool import RewardProcessPool
     from .rollout.schedule import GroupSchedule
     from .rollout.worker import GRPORolloutWorker
+    from .scoring.builtin_scorers import FeatureMatchingScorer, RewardModelScorer
     from .scoring.collator import ScoringCollator
     from .scoring.packing import chunk_inputs, chunk_sequences, pack_sequences, unpack_sequences
-    from .scoring.scorer import TrainerScorer
-    from .scoring.scorers import FeatureMatchingScorer, RewardModelScorer
     from .scoring.step import score_step
-    from .serving.vllm_server import VLLMServer
+    from .scoring.trainer_scorer import TrainerScorer
+    from .serving.vllm_launcher import VLLMServer
     from .training.attention import register_tree_attention
-    from .training.auto_precision import AutoPrecision
     from .training.loss import grpo_loss, policy_loss
     from .training.loss_options import LossOptions
+    from .training.precision_plugin import AutoPrecision
     from .training.reference import ReferenceModel, ReferencePolicy
     from .training.replay import StepReplay
     from .training.step_metrics import StepMetrics

@@ -10,16 +10,19 @@ call; `GRPODataModule` implements it, and so can any data module that feeds `GRP
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from .options import AdvantageEstimator, DataModuleOptions, MultiObjectiveAggregation, ScaleRewards
 
 if TYPE_CHECKING:
     import torch
 
+    from .data.preparation import PromptData
     from .data.tooling import ConversationSpec
     from .pipeline.batch import StepBatch
-    from .pipeline.ledger import RolloutProgress
+    from .pipeline.ledger import RolloutProgress, RolloutStop
     from .weights.sync import WeightSync
 
 
@@ -54,10 +57,10 @@ class RolloutContract:
     max_completion_length: int
     reward_names: tuple[str, ...]
     reward_weights: tuple[float, ...]
-    multi_objective_aggregation: str
-    scale_rewards: str
+    multi_objective_aggregation: MultiObjectiveAggregation
+    scale_rewards: ScaleRewards
     mask_truncated_completions: bool
-    advantage_estimator: str = "grpo"
+    advantage_estimator: AdvantageEstimator = "grpo"
     min_p: float | None = None
     conversation: ConversationSpec | None = None
     stop: tuple[str, ...] = ()
@@ -68,6 +71,31 @@ class RolloutContract:
                 f"`RolloutContract(reward_weights={list(self.reward_weights)})` needs one weight per reward column "
                 f"{list(self.reward_names)}."
             )
+
+
+def build_contract(options: DataModuleOptions, data: PromptData, reward_funcs: Sequence[Callable]) -> RolloutContract:
+    """The `RolloutContract` of the loaded prompts `data` under the data module's options."""
+    from ._trl import get_callable_name
+
+    sampling, rewards = options.sampling, options.rewards
+    names = (*(get_callable_name(func) for func in reward_funcs), *data.conversation.reward_names)
+    weights = tuple(rewards.reward_weights[: len(names)]) if rewards.reward_weights else (1.0,) * len(names)
+    return RolloutContract(
+        tokenizer=data.tokenizer,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_completion_length=sampling.max_completion_length,
+        reward_names=names,
+        reward_weights=weights,
+        multi_objective_aggregation=rewards.multi_objective_aggregation,
+        scale_rewards=rewards.scale_rewards,
+        mask_truncated_completions=options.steps.mask_truncated_completions,
+        advantage_estimator=rewards.advantage_estimator,
+        min_p=sampling.min_p,
+        conversation=data.conversation,
+        stop=tuple(sampling.stop or ()),
+    )
 
 
 @runtime_checkable
@@ -88,15 +116,15 @@ class RolloutSource(Protocol):
         """The contract, once `setup` ran (`GRPOModule.setup` reads it)."""
         ...
 
-    def finish_step(self, batch: StepBatch, *, look_ahead: bool) -> StepBatch | None:
+    def finish_step(self, batch: StepBatch, *, look_ahead: bool) -> RolloutStop | None:
         """Every rank, after `batch` trained: record it, and with `look_ahead` fetch the next step.
 
-        Returns the stop item when the stream ended there (`RolloutStopCallback` ends the run on it).
+        Returns the stream's `RolloutStop` when it ended there (`RolloutStopCallback` ends the run on it).
         """
         ...
 
-    def stream_stop(self) -> StepBatch | None:
-        """The stop item the training stream ended with, if it ended."""
+    def stream_stop(self) -> RolloutStop | None:
+        """The `RolloutStop` the training stream ended with, if it ended."""
         ...
 
     def rollout_metrics(self) -> dict[str, float]:

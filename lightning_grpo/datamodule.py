@@ -13,21 +13,23 @@ from torch.utils.data import DataLoader
 
 from ._imports import resolve_callable
 from ._lightning_noise import ignore_empty_val_loader, ignore_leafspec_deprecation
-from .contract import PolicySource, RolloutContract, require_policy_source
+from .contract import PolicySource, RolloutContract, build_contract, require_policy_source
 from .data.options import check_dataset_options, checked_loop_kwargs, resolve_loop_cls, validate_options
-from .data.preparation import build_contract, prepare_prompts
+from .data.preparation import longest_prompt, prepare_prompts
 from .data.sources import check_source
 from .data.tooling import ConversationSpec, resolve_environment_factory, resolve_tools
+from .options import DataModuleOptions
 from .pipeline.batch import StepBatch
-from .pipeline.ledger import RolloutProgress
+from .pipeline.ledger import RolloutProgress, RolloutStop
 from .pipeline.run_identity import checked_restore, run_identity
 from .pipeline.session import RolloutSession, start_rollout_session
 from .pipeline.step_size import check_group_fits, groups_per_step
 from .pipeline.stream import RolloutPipeline, StepStream
 from .rollout.core_sharing import CoreSharing
 from .rollout.schedule import GroupSchedule
+from .scoring.collator import make_step_collator
 from .serving.server_checks import check_vllm_servers
-from .training.threads import FitThreads
+from .training.threads import FitThreads, runs_on_cpu
 from .validation.scoring import ValidationScorer
 from .weights.factory import build_weight_sync
 from .weights.sync import WeightSync
@@ -104,7 +106,7 @@ class GRPODataModule(pl.LightningDataModule):
         reward_timeout: seconds one reward call may take before it scores NaN.
         generator: `"embedded"` (the policy on CPU in the child) or `"vllm"` (TRL's HTTP path to a vLLM server).
         vllm_server_url: the vLLM server for `generator="vllm"`, or a list of them: each group goes to the least
-            loaded one, and every weight push reaches all of them (see `lightning_grpo.rollout.vllm_servers`).
+            loaded one, and every weight push reaches all of them (see `lightning_grpo.rollout.vllm_routing`).
         vllm_failover: with several servers, go on with the others when one is lost (`vllm/servers_lost_total`).
         vllm_server_timeout: seconds set-up waits for each server's `/health` (TRL's `vllm_server_timeout`).
         vllm_transfer: how weights reach a vLLM server: `"http"` (safetensors in `/dev/shm`, no GPU needed),
@@ -135,7 +137,7 @@ class GRPODataModule(pl.LightningDataModule):
         child_ready_timeout: seconds to wait for the child to load the policy and start.
         generator_threads: torch threads of the embedded generator (None: torch's default), or of each replica.
         generator_dtype: the embedded generator's weights and KV cache: `"auto"`, bf16 where this CPU multiplies it
-            faster (`models.precision`), else the policy's dtype; `"bfloat16"`, `"float32"`, or None (the policy's).
+            faster (`models.dtype_probe`), else the policy's dtype; `"bfloat16"`, `"float32"`, or None (the policy's).
             It samples by its own logprobs: train with `AutoPrecision`, or correct with `vllm_importance_sampling_*`.
         generator_replicas: embedded generator processes, each on `generator_threads` cores of its own (when the
             machine has them): each group is sampled on one, picked by load, every weight push reaches all, and one
@@ -232,7 +234,8 @@ class GRPODataModule(pl.LightningDataModule):
         self.dataset_source = dataset
         self.val_source = val_dataset
         self.reward_func_specs = list(reward_funcs)
-        validate_options(self.hparams)
+        self.options = DataModuleOptions.from_hparams(self.hparams)  # what every part below reads, typed
+        validate_options(self.options)
         # Fail on a bad import path or a missing file now, before Trainer.fit launches ranks or the rollout child.
         self.reward_funcs: list[RewardFunc] = [resolve_callable(f, "reward_funcs") for f in self.reward_func_specs]
         for source in (dataset, val_dataset):
@@ -268,10 +271,10 @@ class GRPODataModule(pl.LightningDataModule):
         if self.train_prompts is None:
             self._load()
         if stage == "fit":
-            self._threads.apply(self.hparams, on_cpu=_on_cpu(self.trainer), world_size=self.trainer.world_size)
-            check_group_fits(self.hparams, self.trainer.world_size, self._longest_prompt)
-            self._make_weight_sync()
             world = self.trainer.world_size
+            self._threads.apply(self.options.generation, on_cpu=runs_on_cpu(self.trainer), world_size=world)
+            check_group_fits(self.options, world, self._longest_prompt)
+            self._make_weight_sync()
             if world > 1 and dist.is_available() and dist.is_initialized() and self.process_group is None:
                 self.process_group = dist.new_group(backend="gloo")  # pickled batches stay off the (NCCL) default group
 
@@ -292,12 +295,13 @@ class GRPODataModule(pl.LightningDataModule):
         if self.train_prompts is None:
             self._load()
         if world_size is not None:
-            check_group_fits(self.hparams, world_size, self._longest_prompt)
+            check_group_fits(self.options, world_size, self._longest_prompt)
 
     def _load(self) -> None:
-        hp = self.hparams
+        options = self.options
         data = prepare_prompts(
-            hp,
+            options.data,
+            options.chat,
             dataset=self.dataset_source,
             val_dataset=self.val_source,
             reward_funcs=self.reward_funcs,
@@ -306,12 +310,12 @@ class GRPODataModule(pl.LightningDataModule):
             environment_factory=self.environment_factory,
         )
         self.val_prompts, self.tokenizer, self.conversation = data.val_prompts, data.tokenizer, data.conversation
-        self.schedule = GroupSchedule(len(data.prompts), hp.epochs, hp.seed)
-        stall_groups = hp.stall_groups or len(data.prompts)
-        self._progress = RolloutProgress(epochs_done=len(self.schedule), stall_groups=stall_groups)
+        self.schedule = GroupSchedule(len(data.prompts), options.steps.epochs, options.steps.seed)
+        stall_groups = options.steps.stall_groups or len(data.prompts)
+        self._progress = RolloutProgress(total_groups=len(self.schedule), stall_groups=stall_groups)
         if "progress" in self._restored:
             self._progress.load_state_dict(self._restored["progress"])
-        self._contract = build_contract(hp, data, self.reward_funcs)
+        self._contract = build_contract(options, data, self.reward_funcs)
         self.train_prompts = data.prompts
 
     def _module_model_name(self) -> str | None:
@@ -324,8 +328,8 @@ class GRPODataModule(pl.LightningDataModule):
             return
         is_zero = self.trainer.is_global_zero
         if is_zero:  # a server that is not there, or serves another model, fails here in one line
-            check_vllm_servers(self.hparams, self.model_name or self._module_model_name() or "policy")
-        self.weight_sync = build_weight_sync(self.hparams, self.weight_transfer, is_global_zero=is_zero)
+            check_vllm_servers(self.options, self.model_name or self._module_model_name() or "policy")
+        self.weight_sync = build_weight_sync(self.options, self.weight_transfer, is_global_zero=is_zero)
         if "weight_sync" in self._restored:
             self.weight_sync.load_state_dict(self._restored["weight_sync"])
 
@@ -367,7 +371,8 @@ class GRPODataModule(pl.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.train_prompts is not None:  # refuse a checkpoint of another run (see `allow_changed_data`)
-            state_dict = checked_restore(state_dict, self.run_identity(), allow_changed=self.hparams.allow_changed_data)
+            allowed = self.options.data.allow_changed_data
+            state_dict = checked_restore(state_dict, self.run_identity(), allow_changed=allowed)
         self._restored = {key: value for key, value in state_dict.items() if value}
         if self._progress is not None and "progress" in self._restored:
             self._progress.load_state_dict(self._restored["progress"])
@@ -379,7 +384,7 @@ class GRPODataModule(pl.LightningDataModule):
         if self._identity is None:
             world = world_size or (self.trainer.world_size if self.trainer is not None else 1)
             self._identity = run_identity(
-                self.train_prompts, self.hparams, groups_per_step(self.hparams, world, self._longest_prompt)
+                self.train_prompts, self.options, groups_per_step(self.options, world, self._longest_prompt)
             )
         return self._identity
 
@@ -403,19 +408,22 @@ class GRPODataModule(pl.LightningDataModule):
         one-ahead prefetch off without its warning about `IterableDataset`s in `DataLoader`s with `__len__`.
         """
         module = require_policy_source(self.trainer.lightning_module, "GRPODataModule")
-        self.weight_sync.push(module.policy, wrapped=self.trainer.model)
-        source = self._start_session(module) if self.trainer.is_global_zero else None
-        self._threads.lend(module.policy)
+        sync, schedule = self.weight_sync, self.schedule
+        if sync is None or schedule is None:
+            raise RuntimeError("`GRPODataModule.train_dataloader()` runs after `setup` (Trainer.fit calls both).")
+        sync.push(module.policy, wrapped=self.trainer.model)
+        source = self._start_session(module, sync) if self.trainer.is_global_zero else None
+        self._threads.borrow_generator_cores(module.policy)
         self._stream = StepStream(
             source,
             rank=self.trainer.global_rank,
             world_size=self.trainer.world_size,
             group=self.process_group,
-            max_batches=len(self.schedule),
+            max_batches=len(schedule),
         )
         return self._stream
 
-    def finish_step(self, batch: StepBatch, *, look_ahead: bool) -> StepBatch | None:
+    def finish_step(self, batch: StepBatch, *, look_ahead: bool) -> RolloutStop | None:
         """Every rank, after `batch`'s optimizer step: commit its groups (rank 0), and with `look_ahead` fetch the next
         step now. Returns the stop item when the stream ended there (see `RolloutStopCallback`).
 
@@ -428,23 +436,23 @@ class GRPODataModule(pl.LightningDataModule):
             self._progress.commit(batch.group_ids)
         return self._stream.look_ahead() if look_ahead else None
 
-    def stream_stop(self) -> StepBatch | None:
+    def stream_stop(self) -> RolloutStop | None:
         """The stop item the training stream ended with (every rank), or None while it goes on."""
         return self._stream.stop if self._stream is not None else None
 
-    def _start_session(self, module: PolicySource) -> RolloutPipeline:
+    def _start_session(self, module: PolicySource, sync: WeightSync) -> RolloutPipeline:
         if self._session is not None:
             self._session.close()
-        self._session = start_rollout_session(self, module)
-        self.weight_sync.on_version(self._session.worker.update_model_version)
+        self._session = start_rollout_session(self, module, make_collator=make_step_collator)
+        sync.on_version(self._session.worker.update_model_version)
         return self._session.pipeline
 
     def groups_per_step(self) -> int:
         """Prompt groups in one optimizer step (the planner's cap and the pacing unit)."""
-        return groups_per_step(self.hparams, self.trainer.world_size, self._longest_prompt)
+        return groups_per_step(self.options, self.trainer.world_size, self._longest_prompt)
 
     def _longest_prompt(self) -> int:
-        return max(len(self.conversation.render(row)) for row in self.train_prompts)
+        return longest_prompt(self.conversation, self.train_prompts)
 
     # -- validation -------------------------------------------------------------------------------------------------
 
@@ -453,7 +461,7 @@ class GRPODataModule(pl.LightningDataModule):
         if self.val_prompts is None:
             ignore_empty_val_loader()
             return []
-        return DataLoader(list(self.val_prompts), batch_size=self.hparams.val_batch_size, collate_fn=list)
+        return DataLoader(list(self.val_prompts), batch_size=self.options.data.val_batch_size, collate_fn=list)
 
     def score_completions(self, completions: list[list[dict]], rows: list[dict]) -> dict[str, list[float]]:
         """Every reward function's rewards for `completions` of `rows` (validation), through a process pool."""
@@ -466,7 +474,7 @@ class GRPODataModule(pl.LightningDataModule):
         values are increments), and `progress/groups_consumed` (trained in finished steps, or dropped)."""
         metrics = self._session.drain_metrics() if self._session is not None else {}
         if self._progress is not None:
-            metrics["progress/groups_consumed"] = float(self._progress.settled())
+            metrics["progress/groups_consumed"] = float(self._progress.final_group_count())
         return metrics
 
     # -- teardown ---------------------------------------------------------------------------------------------------
@@ -489,9 +497,3 @@ class GRPODataModule(pl.LightningDataModule):
     def on_exception(self, exception: BaseException) -> None:
         self.close()
         self._threads.restore()
-
-
-def _on_cpu(trainer: pl.Trainer) -> bool:
-    from lightning.pytorch.accelerators import CPUAccelerator
-
-    return isinstance(trainer.accelerator, CPUAccelerator)

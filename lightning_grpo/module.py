@@ -15,21 +15,17 @@ from peft import LoraConfig
 
 from ._lightning_noise import ignore_manual_optimization_checkpoints
 from .contract import RolloutContract, require_rollout_source
+from .models.lora import is_peft_model
 from .pipeline.batch import MicroBatch, StepBatch
-from .scoring.scorer import resolve_scorer
+from .scoring.trainer_scorer import resolve_scorer
 from .training.checkpoint import load_module_state, save_module_state
 from .training.checkpoint_io import use_atomic_checkpoints
 from .training.loss import LossContext, LossStats, micro_batch_loss
-from .training.loss_options import ImportanceSamplingLevel, ImportanceSamplingMode, LossType, module_loss_options
+from .training.loss_options import ImportanceSamplingLevel, ImportanceSamplingMode, LossType
 from .training.loss_stats import metrics_over_ranks
+from .training.module_options import ModuleOptions
 from .training.optimizers import build_optimizers, check_optimizer_options
-from .training.policy import (
-    apply_peft,
-    check_peft_config,
-    enable_activation_checkpointing,
-    is_peft_model,
-    trainable_parameters,
-)
+from .training.policy import apply_peft, check_peft_config, enable_activation_checkpointing, trainable_parameters
 from .training.reference import ReferenceModel, ReferencePolicy, adapters_start_at_zero, make_reference
 from .training.sharding import check_strategy, clip_gradient_norm, gradient_scaler, gradient_sync, shard_policy
 from .training.step_metrics import StepMetrics
@@ -240,7 +236,8 @@ class GRPOModule(pl.LightningModule):
         # The LoRA config goes in as plain JSON; callables stay out (the checkpoint is loaded with weights_only=True).
         self.save_hyperparameters(ignore=["model", "scorers", "peft_config", "optimizer", "lr_scheduler"])
         self.peft_config = peft_config
-        self.loss_options = module_loss_options(self.hparams, lora=peft_config is not None)
+        self.options = ModuleOptions.from_hparams(self.hparams, lora=peft_config is not None)  # what helpers read
+        self.loss_options = self.options.loss
         check_validation_options(num_generations_eval, val_temperature, val_max_tokens)
         self.model_name = model if isinstance(model, str) else None
         self.policy: Any = model if isinstance(model, torch.nn.Module) else None
@@ -274,10 +271,10 @@ class GRPOModule(pl.LightningModule):
         ignore_manual_optimization_checkpoints()
 
     def configure_model(self) -> None:
-        if self.policy is None:
+        if self.policy is None and self.model_name is not None:  # by name (a module passed in is the policy)
             from .models.loading import load_policy
 
-            self.policy = load_policy(self.model_name, dtype=getattr(torch, self.hparams.dtype))
+            self.policy = load_policy(self.model_name, dtype=getattr(torch, self.options.dtype))
         fresh_adapters = self.peft_config is not None and not is_peft_model(self.policy)
         if fresh_adapters:
             self.policy = apply_peft(self.policy, self.peft_config)
@@ -303,10 +300,14 @@ class GRPOModule(pl.LightningModule):
 
     def configure_callbacks(self) -> list[pl.Callback]:
         """The callbacks async GRPO needs, in the order they must run, unless the trainer already has them (see
-        `lightning_grpo.callbacks.defaults.required_callbacks`)."""
+        `lightning_grpo.callbacks.defaults.required_callbacks`). Maps the trainer's `accumulate_grad_batches` and
+        `gradient_clip_val` onto our options first (`lightning_grpo.training.lightning_flags`)."""
         from .callbacks.defaults import required_callbacks
+        from .training.lightning_flags import apply_lightning_flags
 
         trainer = _trainer_of(self)
+        if trainer is not None:  # Lightning calls this hook before it refuses these flags for manual optimization
+            apply_lightning_flags(trainer, self, trainer.datamodule)
         return required_callbacks(list(trainer.callbacks) if trainer is not None else [])
 
     def configure_optimizers(self) -> dict[str, Any]:
@@ -328,7 +329,7 @@ class GRPOModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Every rank: the policy's record for `lightning-grpo export`, the metric totals, a TR-DPO-mixed reference;
         with LoRA only the adapters (see `lightning_grpo.training.checkpoint`)."""
-        save_module_state(self, checkpoint)
+        save_module_state(self, checkpoint, dtype=self.options.dtype)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore the metric totals and a mixed reference; with LoRA, refuse a checkpoint without the adapters."""
@@ -341,7 +342,7 @@ class GRPOModule(pl.LightningModule):
         if self.scorers:
             from .scoring.step import score_module_step
 
-            self.scored_step = score_module_step(self, batch)
+            self.scored_step = score_module_step(self, batch, scorer_weights=self.options.scorer_weights)
 
     def on_fit_start(self) -> None:
         if isinstance(self.reference, ReferenceModel):
@@ -360,7 +361,7 @@ class GRPOModule(pl.LightningModule):
                 micro_batch["ref_log_probs"] = self.reference.logprobs(micro_batch, context)
         stats, iterations = LossStats(), 0
         lr = self.optimizers().param_groups[0]["lr"]  # the rate this step trains with (the scheduler moves it after)
-        for iteration in range(self.hparams.num_iterations):
+        for iteration in range(self.options.num_iterations):
             stats = stats + self._optimizer_step(micro_batches, context, first=iteration == 0)
             iterations += 1
             self._sync_reference()
@@ -376,7 +377,7 @@ class GRPOModule(pl.LightningModule):
             with gradient_sync(self.trainer.strategy, self.policy, self.trainer.model, enabled=i == last):
                 loss, micro_stats, logprobs = micro_batch_loss(self.policy, micro_batch, self.loss_options, context)
                 self.manual_backward(loss)
-            if first and self.hparams.num_iterations > 1:
+            if first and self.options.num_iterations > 1:
                 micro_batch["proximal_log_probs"] = logprobs  # the later updates' anchor and mismatch reference
             stats = stats + micro_stats
         if self.hparams.max_grad_norm is not None:
@@ -388,13 +389,15 @@ class GRPOModule(pl.LightningModule):
 
     def _sync_reference(self) -> None:
         """TR-DPO: after every `ref_model_sync_steps`-th optimizer step, as GRPOTrainer's `SyncRefModelCallback`."""
-        hp = self.hparams
-        if not hp.sync_ref_model or self.trainer.global_step % hp.ref_model_sync_steps:
+        sync = self.options.reference
+        if not sync.sync_ref_model or self.trainer.global_step % sync.ref_model_sync_steps:
+            return
+        if not isinstance(self.reference, ReferenceModel):  # TR-DPO is refused with LoRA: always a model here
             return
         from .weights.parameters import full_parameters
 
         with full_parameters(self.trainer.model):
-            self.reference.mix(self.policy, hp.ref_model_mixup_alpha)
+            self.reference.mix(self.policy, sync.ref_model_mixup_alpha)
 
     def _log_step(self, batch: StepBatch, stats: LossStats, iterations: int, lr: float, fwd_bwd_s: float) -> None:
         metrics = metrics_over_ranks(stats, self.trainer.strategy, self.trainer.world_size)
@@ -420,11 +423,11 @@ class GRPOModule(pl.LightningModule):
     # -- validation -------------------------------------------------------------------------------------------------
 
     def on_validation_epoch_start(self) -> None:
-        self._val_tally = start_tally(self)
+        self._val_tally = start_tally(self, self.options.validation)
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         """Every rank: conversations on this rank's held-out prompts, scored into this epoch's tally."""
-        validate_batch(self, batch, self._val_tally, attention=self._generate_attention)
+        validate_batch(self, batch, self._val_tally, self.options.validation, attention=self._generate_attention)
 
     def on_validation_epoch_end(self) -> None:
         """Every rank: add the ranks' tallies (one all-reduce) and log `val/*`, NaN where nothing was scored."""

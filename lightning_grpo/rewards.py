@@ -40,7 +40,8 @@ def completion_text(completion: str | Sequence[dict[str, Any]]) -> str:
         )
     if not completion:
         return ""
-    replies = [m for m in completion if m.get("role") == "assistant"] or list(completion)
+    messages = [m for m in completion if isinstance(m, dict)]  # all of them (checked above)
+    replies = [m for m in messages if m.get("role") == "assistant"] or messages
     content = replies[-1].get("content")
     if content is None:
         return ""

@@ -4,7 +4,7 @@
 # transformers < 5.20, which our package does not accept. Idempotent: once installed, a run only checks a stamp and
 # that vllm is importable (no network, no pip). The first run downloads ~1 GB (2.5 GB installed) in 1-4 minutes.
 #
-# The server is started by `python -m lightning_grpo.serving.vllm_server` (see lightning_grpo/serving/vllm_server.py), not from here.
+# The server is started by `python -m lightning_grpo.serving.vllm_launcher` (see lightning_grpo/serving/vllm_launcher.py), not from here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${LIGHTNING_GRPO_VLLM_VENV:-.venv-vllm}

@@ -94,7 +94,7 @@ def test_fit_with_a_trainer_scorer_scores_every_pending_group(tmp_path, no_leake
     """The rollout child leaves advantages pending; a reward model on the trainer scores each step before it trains."""
     from helpers.tiny import tiny_reward_model
 
-    from lightning_grpo.scoring.scorers import RewardModelScorer
+    from lightning_grpo.scoring.builtin_scorers import RewardModelScorer
 
     datamodule = tiny_datamodule(6)
     module = GRPOModule("tiny-random", scorers=[RewardModelScorer(tiny_reward_model(), name="rm")], learning_rate=1e-3)
@@ -122,7 +122,7 @@ def test_a_loop_subclass_from_loop_cls_runs_in_the_child_and_its_payload_reaches
     from helpers.tiny import tiny_reward_model
 
     from lightning_grpo.rollout.records import SCORE_PAYLOAD
-    from lightning_grpo.scoring.scorers import RewardModelScorer
+    from lightning_grpo.scoring.builtin_scorers import RewardModelScorer
 
     class PayloadRecordingScorer(RewardModelScorer):
         payloads: list = []

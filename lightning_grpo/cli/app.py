@@ -21,16 +21,14 @@ code 2 and one line naming the value; a mistyped subcommand, option or choice al
 from __future__ import annotations
 
 import argparse
-import difflib
-import re
 import sys
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
+
+from .parsing import DESCRIPTION, SuggestingParser
 
 if TYPE_CHECKING:
     from .lightning_cli import GRPOLightningCLI
-
-DESCRIPTION = "Asynchronous GRPO with PyTorch Lightning: fit or validate a GRPOModule on a GRPODataModule."
 
 #: Every subcommand of `lightning-grpo`, with its line in `lightning-grpo --help`.
 SUBCOMMANDS = {
@@ -41,11 +39,6 @@ SUBCOMMANDS = {
     "sft": "warm-start a policy on tool-use demonstrations",
 }
 _LIGHTNING_SUBCOMMANDS = ("fit", "validate")
-# argparse's message for a subcommand, jsonargparse's for a `Literal` option
-_CHOICE_ERRORS = (
-    r"invalid choice: '(?P<value>[^']*)' \(choose from (?P<choices>.*)\)",
-    r"Literal\[(?P<choices>.*)\]\. Got value: (?P<value>\S+)",
-)
 _EPILOG = (
     "`lightning-grpo SUBCOMMAND --help` lists a subcommand's options. LightningCLI's own top-level options "
     "(-c/--config with a section per subcommand, --print_config) come before the subcommand."
@@ -62,7 +55,7 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     first = argv[0] if argv else ""
     if first == "vllm-serve":
-        from ..serving.vllm_server import main as vllm_serve
+        from ..serving.vllm_launcher import main as vllm_serve
 
         raise SystemExit(vllm_serve(argv[1:]))
     if first == "sft":
@@ -90,55 +83,6 @@ def package_version() -> str:
         return "unknown (not installed)"
 
 
-def closest(word: str, choices: list[str]) -> str | None:
-    """The choice most like `word` (a typo's likely meaning), or None when none is close: of the choices difflib
-    finds close, the fewest typing mistakes away (`fti` is `fit`, not `sft`)."""
-    matches = difflib.get_close_matches(word, choices, n=5, cutoff=0.6)
-    return min(matches, key=lambda match: _typing_distance(word, match)) if matches else None
-
-
-def _typing_distance(a: str, b: str) -> int:
-    """Letters added, dropped, changed or swapped with a neighbour to turn `a` into `b` (optimal string alignment)."""
-    previous, current = None, list(range(len(b) + 1))
-    for i in range(1, len(a) + 1):
-        before, previous, current = previous, current, [i] + [0] * len(b)
-        for j in range(1, len(b) + 1):
-            cost = a[i - 1] != b[j - 1]
-            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + cost)
-            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
-                current[j] = min(current[j], before[j - 2] + 1)
-    return current[len(b)]
-
-
-def suggestion(message: str, options: list[str]) -> str:
-    """` Did you mean ...?` for the first unrecognized option or invalid choice an argparse `message` names, else ''."""
-    unrecognized = re.search(r"nrecognized arguments: (.*)", message)
-    if unrecognized:
-        for token in unrecognized.group(1).split():
-            match = closest(token.split("=", 1)[0], options) if token.startswith("--") else None
-            if match:
-                return f". Did you mean {match}?"
-        return ""
-    key = re.search(r"does not accept option '([^']*)'", message)  # a YAML key
-    if key:
-        match = closest(key.group(1), [option.removeprefix("--") for option in options])
-        return f". Did you mean '{match}'?" if match else ""
-    for pattern in _CHOICE_ERRORS:
-        choice = re.search(pattern, message)
-        if choice:
-            match = closest(choice["value"], re.findall(r"'([^']*)'", choice["choices"]))
-            return f". Did you mean '{match}'?" if match else ""
-    return ""
-
-
-class SuggestingParser(argparse.ArgumentParser):
-    """An argparse parser whose errors name the closest valid subcommand, option or choice (exit code 2)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}{suggestion(message, list(self._option_string_actions))}\n")
-
-
 def _top_level_parser() -> argparse.ArgumentParser:
     parser = SuggestingParser(prog="lightning-grpo", description=DESCRIPTION, epilog=_EPILOG)
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
@@ -154,15 +98,6 @@ def cli(args: list[str] | dict[str, Any] | None = None, *, run: bool = True) -> 
     from .lightning_cli import cli as lightning_cli
 
     return lightning_cli(args, run=run)
-
-
-def __getattr__(name: str) -> Any:
-    # The LightningCLI side loads torch and Lightning; `--help` and `--version` do without them.
-    if name in ("GRPOLightningCLI", "TRAINER_DEFAULTS"):
-        from . import lightning_cli
-
-        return getattr(lightning_cli, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

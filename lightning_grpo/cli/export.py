@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..training.policy import CHECKPOINT_KEY, apply_peft, missing_trainable_keys, peft_config_from_dict
-from .app import SuggestingParser
+from .parsing import SuggestingParser
 
 _PREFIX = "policy."
 

@@ -23,7 +23,8 @@ from torch.optim import Optimizer
 from ..datamodule import GRPODataModule
 from ..module import GRPOModule
 from ..serving.server_checks import check_vllm_servers
-from .app import DESCRIPTION, suggestion
+from .lightning_flags import move_lightning_flags
+from .parsing import DESCRIPTION, suggestion
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "max_epochs": -1,  # the data module ends the run when its prompt groups are consumed
@@ -43,7 +44,7 @@ class GRPOArgumentParser(LightningArgumentParser):
     """LightningCLI's parser; an unrecognized option or an invalid choice is answered with the closest valid one, and
     every error is one line (jsonargparse puts the expected type on lines of its own)."""
 
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:  # type: ignore[misc]  # super() exits
         parser = getattr(ex, "subcommand_parser", None) or self
         one_line = " ".join(line.strip() for line in message.splitlines() if line.strip())
         super().error(one_line + suggestion(message, list(parser._option_string_actions)), ex)
@@ -107,6 +108,7 @@ class GRPOLightningCLI(LightningCLI):
         for key in _TOP_LEVEL_FACTORIES:
             if config.get(key):
                 config[f"model.{key}"], config[key] = config[key], None
+        move_lightning_flags(config, self.parser)  # Lightning refuses them for manual optimization: ours instead
 
     def instantiate_classes(self) -> None:
         try:
@@ -130,7 +132,7 @@ class GRPOLightningCLI(LightningCLI):
         # here, before the fit, a server that is not there is one line (exit 2) like any other bad value.
         if self.trainer.is_global_zero:
             try:
-                check_vllm_servers(self.datamodule.hparams, self.datamodule.model_name)
+                check_vllm_servers(self.datamodule.options, self.datamodule.model_name)
             except RuntimeError as error:
                 raise ValueError(str(error)) from error
 
@@ -140,7 +142,7 @@ class GRPOLightningCLI(LightningCLI):
         config = self.config_init.get(self.subcommand, self.config_init) if self.subcommand else self.config_init
         trainer_config = config.get("trainer") or {}
         if "plugins" not in kwargs and _chooses_no_precision(trainer_config):
-            from ..training.auto_precision import AutoPrecision
+            from ..training.precision_plugin import AutoPrecision
 
             kwargs["plugins"] = [*_as_list(trainer_config.get("plugins")), AutoPrecision()]
         if "callbacks" not in kwargs:

@@ -28,7 +28,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+Default = TypeVar("Default", bound=str | None)
 
 ACCURACY = "val/rewards/accuracy"
 #: The validation metrics the table shows per model, beside the held-out score.
@@ -87,7 +89,8 @@ def split_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str], lis
         "--reuse_warm_start", action="store_true", help="skip the warm start when its folder is already written"
     )
     own, rest = parser.parse_known_args(argv)
-    sft, fit = [], []
+    sft: list[str] = []
+    fit: list[str] = []
     i = 0
     while i < len(rest):
         token = rest[i]
@@ -140,9 +143,9 @@ def _warm_start_done(config: str, output_dir: str | None) -> bool:
     return output_dir is not None and (Path(output_dir) / "warm_start.json").exists()
 
 
-def _option(args: list[str], name: str, default: str | None) -> str | None:
+def _option(args: list[str], name: str, default: Default) -> str | Default:
     """The last value of `name` in `args` (`--name value` or `--name=value`), else `default`."""
-    value = default
+    value: str | Default = default
     for i, token in enumerate(args):
         if token == name and i + 1 < len(args):
             value = args[i + 1]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..pipeline.run_identity import checked_restore
 from ..training.checkpoint_io import read_checkpoint
+
+if TYPE_CHECKING:
+    from ..datamodule import GRPODataModule
 
 # Lightning resolves these names itself (and warns when "last" finds nothing, then starts a new run).
 _NAMED = ("last", "best", "hpc", "registry")
@@ -19,7 +22,7 @@ def check_checkpoint_file(ckpt_path: Any) -> dict[str, Any] | None:
     return read_checkpoint(ckpt_path)
 
 
-def check_resume(ckpt_path: Any, datamodule: Any, world_size: int | None) -> None:
+def check_resume(ckpt_path: Any, datamodule: GRPODataModule, world_size: int | None) -> None:
     """Refuse, before the fit starts, a checkpoint file that would fail (or silently mislead) the resume.
 
     Raises:
@@ -31,4 +34,4 @@ def check_resume(ckpt_path: Any, datamodule: Any, world_size: int | None) -> Non
         return
     state = checkpoint.get(type(datamodule).__qualname__) or {}
     current = datamodule.run_identity(world_size)
-    checked_restore(state, current, allow_changed=datamodule.hparams.allow_changed_data)
+    checked_restore(state, current, allow_changed=datamodule.options.data.allow_changed_data)

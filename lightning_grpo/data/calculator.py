@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from datasets import Dataset
 
-from .sources import ANSWER_INSTRUCTION
+from .columns import ANSWER_INSTRUCTION
 
 CALCULATOR_TASKS = ("mul", "div", "mixed")
 TOOL_NAME = "calculator"

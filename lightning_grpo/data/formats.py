@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from datasets import Dataset
 
-from .sources import ANSWER_INSTRUCTION
+from .columns import ANSWER_INSTRUCTION
 
 DatasetFormat = Literal["gsm8k", "math", "prompt_answer"]
 

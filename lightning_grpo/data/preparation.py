@@ -1,5 +1,5 @@
-"""What `GRPODataModule` loads and checks before anything starts: the prompts, the held-out prompts, the tokenizer,
-the conversations (tools, environments, prompt format) and the `RolloutContract` built from them.
+"""What `GRPODataModule` loads and checks before anything starts: the prompts, the held-out prompts, the tokenizer
+and the conversations (tools, environments, prompt format).
 
 Every check here runs on every rank at `setup` (and from `lightning-grpo` before the trainer starts), so a dataset
 without a column a reward needs, or a tokenizer that cannot render the prompts, fails with one line naming it.
@@ -14,10 +14,11 @@ from typing import Any
 from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_warn
 
-from .._trl import get_callable_name
-from ..contract import RolloutContract
+from ..options import ChatOptions, DataOptions, PromptFormat
+from .columns import check_columns, check_columns_for_rewards
 from .reasoning_gym import is_reasoning_gym
-from .sources import BUILTIN_DATASETS, check_columns, check_reward_columns, load_prompts
+from .sources import load_prompts
+from .tasks import BUILTIN_DATASETS
 from .tooling import ConversationSpec
 
 #: Generated held-out prompts (arithmetic, calculator, reasoning-gym) come from another seed than the training ones:
@@ -36,7 +37,8 @@ class PromptData:
 
 
 def prepare_prompts(
-    hp: Any,
+    data: DataOptions,
+    chat: ChatOptions,
     *,
     dataset: Any,
     val_dataset: Any,
@@ -52,42 +54,31 @@ def prepare_prompts(
         ValueError: a missing column (named, with the dataset), no tokenizer name or one that does not load, a prompt
             the tokenizer cannot render.
     """
-    prompts = load_prompts(dataset, size=hp.dataset_size, seed=hp.dataset_seed, **_format(hp))
+    prompts = load_prompts(dataset, size=data.dataset_size, seed=data.dataset_seed, **_format(data))
     _check(prompts, reward_funcs, f"`GRPODataModule(dataset={dataset!r})`")
-    val_prompts = _load_val_prompts(hp, dataset, val_dataset, reward_funcs)
+    val_prompts = _load_val_prompts(data, dataset, val_dataset, reward_funcs)
     tokenizer = load_named_tokenizer(tokenizer_name)
     conversation = ConversationSpec(
         tokenizer=tokenizer,
-        prompt_format=hp.prompt_format,
+        prompt_format=chat.prompt_format,
         tools=tools,
         environment_factory=environment_factory,
-        max_tool_calling_iterations=hp.max_tool_calling_iterations,
-        tool_timeout=hp.tool_timeout,
+        max_tool_calling_iterations=chat.max_tool_calling_iterations,
+        tool_timeout=chat.tool_timeout,
     )
-    _check_rendering(conversation, hp.prompt_format, {"dataset": prompts, "val_dataset": val_prompts})
+    _check_rendering(conversation, chat.prompt_format, {"dataset": prompts, "val_dataset": val_prompts})
     return PromptData(prompts, val_prompts, tokenizer, conversation)
 
 
-def build_contract(hp: Any, data: PromptData, reward_funcs: Sequence[Callable]) -> RolloutContract:
-    """The `RolloutContract` of these prompts under the data module's options (`hp`)."""
-    names = (*(get_callable_name(func) for func in reward_funcs), *data.conversation.reward_names)
-    weights = tuple(hp.reward_weights[: len(names)]) if hp.reward_weights else (1.0,) * len(names)
-    return RolloutContract(
-        tokenizer=data.tokenizer,
-        temperature=hp.temperature,
-        top_p=hp.top_p,
-        top_k=hp.top_k,
-        max_completion_length=hp.max_completion_length,
-        reward_names=names,
-        reward_weights=weights,
-        multi_objective_aggregation=hp.multi_objective_aggregation,
-        scale_rewards=hp.scale_rewards,
-        mask_truncated_completions=hp.mask_truncated_completions,
-        advantage_estimator=hp.advantage_estimator,
-        min_p=hp.min_p,
-        conversation=data.conversation,
-        stop=tuple(hp.get("stop") or ()),
-    )
+def longest_prompt(conversation: ConversationSpec | None, prompts: Dataset | None) -> int:
+    """The longest first turn of `prompts` as `conversation` renders it, in tokens.
+
+    Raises:
+        RuntimeError: before the prompts are loaded (`GRPODataModule.setup` or `check_data` loads them).
+    """
+    if conversation is None or prompts is None:
+        raise RuntimeError("GRPODataModule measures its prompts once they are loaded (`setup` or `check_data`).")
+    return max(len(conversation.render(row)) for row in prompts)
 
 
 def load_named_tokenizer(name: str | None) -> Any:
@@ -112,27 +103,31 @@ def load_named_tokenizer(name: str | None) -> Any:
 
 def _check(prompts: Dataset, reward_funcs: Sequence[Callable], source: str) -> None:
     check_columns(prompts, {"prompt"}, source=source)
-    check_reward_columns(prompts, reward_funcs, source=source)
+    check_columns_for_rewards(prompts, reward_funcs, source=source)
 
 
-def _load_val_prompts(hp: Any, dataset: Any, val_dataset: Any, reward_funcs: Sequence[Callable]) -> Dataset | None:
-    val_seed = hp.dataset_seed + max(VAL_SEED_OFFSET, hp.dataset_size or 0)
+def _load_val_prompts(
+    data: DataOptions, dataset: Any, val_dataset: Any, reward_funcs: Sequence[Callable]
+) -> Dataset | None:
+    val_seed = data.dataset_seed + max(VAL_SEED_OFFSET, data.dataset_size or 0)
     if val_dataset is None and isinstance(dataset, str) and dataset in BUILTIN_DATASETS:
-        return load_prompts(dataset, size=hp.val_size, seed=val_seed, dataset_options=hp.get("dataset_options"))
+        return load_prompts(dataset, size=data.val_size, seed=val_seed, dataset_options=data.dataset_options)
     if val_dataset is None and is_reasoning_gym(dataset):
         val_dataset = dataset  # the same task and options, another seed
     if val_dataset is None:
         return None
-    prompts = load_prompts(val_dataset, size=hp.val_size, seed=val_seed, **_format(hp))
+    prompts = load_prompts(val_dataset, size=data.val_size, seed=val_seed, **_format(data))
     _check(prompts, reward_funcs, f"`GRPODataModule(val_dataset={val_dataset!r})`")
     return prompts
 
 
-def _format(hp: Any) -> dict[str, Any]:
-    return {"dataset_format": hp.get("dataset_format"), "dataset_options": hp.get("dataset_options")}
+def _format(data: DataOptions) -> dict[str, Any]:
+    return {"dataset_format": data.dataset_format, "dataset_options": data.dataset_options}
 
 
-def _check_rendering(conversation: ConversationSpec, prompt_format: str, sources: dict[str, Dataset | None]) -> None:
+def _check_rendering(
+    conversation: ConversationSpec, prompt_format: PromptFormat, sources: dict[str, Dataset | None]
+) -> None:
     """The first prompt of each source renders in `prompt_format` with this tokenizer (and its tools)."""
     from ..rollout.chat import ensure_tool_parser, prompt_problems
 

@@ -2,10 +2,10 @@
 
 The policy is told the secret is a whole number from 1 to `high` and finds it with the `guess` tool, which answers
 `higher`, `lower` or `correct`; it then says the number and the conversation ends. `NumberGuessEnv` is the
-`environment_factory` (`configs/number_guess.yaml`), `number_guess_dataset` the prompts
-(`GRPODataModule(dataset="number_guess")`), `solved` a reward function that says whether a conversation found the
-number (give it weight 0 to log the solve rate without training on it), `demonstration` a conversation a warm start
-trains on (`lightning-grpo sft`), guessing by bisection.
+`environment_factory` (`configs/number_guess.yaml`), `solved` a reward function that says whether a conversation found
+the number (give it weight 0 to log the solve rate without training on it), `demonstration` a conversation a warm
+start trains on (`lightning-grpo sft`), guessing by bisection. The prompts, one game per row, are
+`lightning_grpo.data.number_guess`'s (`GRPODataModule(dataset="number_guess")`).
 
 The reward (`get_reward`, column `NumberGuessEnv`) is for solving in few guesses: `1 - 0.1 * (guesses - 1)` once the
 number is found (at least 0.5), 0 when it never is. Guesses after the number was found, or outside 1..`high`, count.
@@ -16,48 +16,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import numpy as np
-from datasets import Dataset
-
 TOOL_NAME = "guess"
 CORRECT = "correct"
 TURN_PENALTY = 0.1
 MIN_SOLVED_REWARD = 0.5
-
-
-def number_guess_dataset(size: int = 600, seed: int = 0, high: int = 16) -> Dataset:
-    """Games of guessing a whole number from 1 to `high`.
-
-    Columns: `prompt` (one user message that states the rules and names the `guess` tool), `secret` (the number,
-    which `NumberGuessEnv.reset` reads) and `high`. The same `(size, seed, high)` always gives the same rows.
-
-    Raises:
-        ValueError: `size` is below 1 or `high` below 2.
-    """
-    if size < 1 or high < 2:
-        raise ValueError(f"`number_guess_dataset(size={size}, high={high})` needs size >= 1 and high >= 2.")
-    rng = np.random.default_rng(seed)
-    prompt = [{"role": "user", "content": rules(high)}]
-    secrets = [int(s) for s in rng.integers(1, high + 1, size=size)]
-    return Dataset.from_dict({"prompt": [prompt] * size, "secret": secrets, "high": [high] * size})
-
-
-def option_problems(options: dict[str, Any]) -> list[str]:
-    """What is wrong with `dataset_options` for `dataset="number_guess"` (its one option is `high`)."""
-    if unknown := sorted(set(options) - {"high"}):
-        return [f"dataset_options keys {unknown} are not options of dataset='number_guess' (its one option: 'high')"]
-    high = options.get("high", 16)
-    if not isinstance(high, int) or isinstance(high, bool) or high < 2:
-        return [f"dataset_options['high']={high!r} (a whole number, at least 2)"]
-    return []
-
-
-def rules(high: int) -> str:
-    """The game's rules as the user states them."""
-    return (
-        f"I am thinking of a whole number from 1 to {high}. Find it with the `{TOOL_NAME}` tool: it answers "
-        f"higher, lower or {CORRECT}. Use as few guesses as you can, then tell me the number."
-    )
 
 
 class NumberGuessEnv:
@@ -67,7 +29,8 @@ class NumberGuessEnv:
     """
 
     def __init__(self) -> None:
-        self.secret, self.high, self.guesses, self.solved = 0, 0, [], False
+        self.secret, self.high, self.solved = 0, 0, False
+        self.guesses: list[int] = []
 
     def reset(self, secret: int, high: int = 16, **row: Any) -> None:
         """Start a game for a dataset row (its `secret` and `high`); the prompt already states the rules."""
@@ -106,8 +69,9 @@ def solved(completions: list[Any], **kwargs: Any) -> list[float]:
 
 
 def demonstration(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """The assistant's side of a game played by bisection on `row` (a `number_guess_dataset` row): one `guess` call
-    per turn, then the number. The tool's answers come from a real `NumberGuessEnv` when the warm start renders it.
+    """The assistant's side of a game played by bisection on `row` (a row of `dataset="number_guess"`: its `secret`
+    and `high`): one `guess` call per turn, then the number. The tool's answers come from a real `NumberGuessEnv` when
+    the warm start renders it.
     """
     secret, high = int(row["secret"]), int(row["high"])
     low, top, replies = 1, high, []

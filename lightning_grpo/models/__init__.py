@@ -12,37 +12,18 @@ from typing import TYPE_CHECKING
 from .._imports import lazy_exports
 
 _EXPORTS = {
-    "TINY_MODEL": "tiny",
     "CHATML_TEMPLATE": "tiny",
     "char_tokenizer": "tiny",
     "tiny_llama": "tiny",
     "tiny_llama_config": "tiny",
     "tiny_gemma3": "tiny",
-    "tiny_gemma3_config": "tiny",
     "load_policy": "loading",
-    "load_policy_config": "loading",
     "load_tokenizer": "loading",
-    "eos_token_ids": "loading",
-    "SMOLLM2_NAME": "smollm2",
-    "smollm2_path": "smollm2",
-    "default_cache_dir": "smollm2",
-    "GEMMA3_NAME": "gemma3",
-    "gemma3_path": "gemma3",
 }
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
-    from .gemma3 import GEMMA3_NAME, gemma3_path
-    from .loading import eos_token_ids, load_policy, load_policy_config, load_tokenizer
-    from .smollm2 import SMOLLM2_NAME, default_cache_dir, smollm2_path
-    from .tiny import (
-        CHATML_TEMPLATE,
-        TINY_MODEL,
-        char_tokenizer,
-        tiny_gemma3,
-        tiny_gemma3_config,
-        tiny_llama,
-        tiny_llama_config,
-    )
+    from .loading import load_policy, load_tokenizer
+    from .tiny import CHATML_TEMPLATE, char_tokenizer, tiny_gemma3, tiny_llama, tiny_llama_config

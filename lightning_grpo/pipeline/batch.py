@@ -2,8 +2,9 @@
 
 Rank 0 plans each optimizer step (`StepPlanner`), packs it (`ProgressCollator` / `ScoringCollator`) into one
 `StepBatch` per rank and scatters them; every rank trains on its own. The micro-batch dicts hold plain CPU tensors.
-The stop item crosses the scatter too, so every rank learns at the same batch that the stream ended, but
-`StepStream` keeps it: training never sees it (see `RolloutStopCallback`).
+The stop item (a `StepBatch` whose `stop` is the stream's `RolloutStop`) crosses the scatter too, so every rank learns
+at the same batch that the stream ended, but `StepStream` keeps it: training never sees it (see
+`RolloutStopCallback`).
 
 Keys of a micro-batch (one rank's packed row; `N` forwarded tokens, `S` segments, `K` gathered K/V rows, `M` loss
 terms, `R` samples in the row, `C` rollout reward columns):
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from ..rollout.records import RolloutSample
+from .ledger import RolloutStop
 
 MicroBatch = dict[str, torch.Tensor]
 
@@ -61,10 +63,8 @@ class StepBatch:
         micro_batches: `steps` packed micro-batches for this rank (empty for the stop item).
         group_ids: the prompt groups this step trains (same on every rank).
         reward_names: names of the rollout reward columns, in `rollout_rewards` column order.
-        stop: True for the stop item: every rank receives it at the same fetch, and `RolloutStopCallback` ends the
-            fit there.
-        error: set on the stop item when the run stalled or rank 0's pipeline failed; every rank raises it.
-        stalled: on the stop item, the error is a stall (a full pass over the prompts trained no group).
+        stop: set on the stop item only (which has no micro-batches): how the stream ended. Every rank receives it at
+            the same fetch, and `RolloutStopCallback` ends the fit there.
         metrics: rank 0's planning, packing and sample metrics for this step (empty on other ranks).
         samples: the step's samples in `sample_uid` order, on rank 0 only (for logging and callbacks).
     """
@@ -72,13 +72,6 @@ class StepBatch:
     micro_batches: list[MicroBatch] = field(default_factory=list)
     group_ids: list[int] = field(default_factory=list)
     reward_names: list[str] = field(default_factory=list)
-    stop: bool = False
-    error: str | None = None
-    preempted: bool = False  # a stop item sent because the trainer was asked to stop (SIGTERM) while it waited
-    stalled: bool = False
+    stop: RolloutStop | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     samples: list[RolloutSample] = field(default_factory=list)
-
-    @classmethod
-    def stop_item(cls, error: str | None = None, *, preempted: bool = False, stalled: bool = False) -> StepBatch:
-        return cls(stop=True, error=error, preempted=preempted, stalled=stalled)

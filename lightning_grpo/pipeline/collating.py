@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..options import AdvantageEstimator, ScaleRewards
 from ..rollout.advantages import batch_advantages
 from ..rollout.records import LEARNING_SIGNAL, RolloutSample
 from .batch import MicroBatch, StepBatch, set_step_normalizers
@@ -30,8 +31,8 @@ class ProgressCollator:
     `ScoredRow.pack()` plus the keys documented in `lightning_grpo.pipeline.batch` (`sample_uid`, `sample_group_id`,
     `sample_truncated`, `sample_trained_tokens`, `rollout_rewards`, and the step's loss normalizers
     `step_trained_tokens` and `step_sequences`). Rank 0's batch also carries the step's samples and metrics. A
-    `RolloutStop` item becomes `num_processes` stop items. Reports the step's groups to `progress`: `train` for
-    scored groups, `hold` for pending ones. An exception while collating a plan becomes a stop item with the error,
+    `RolloutStop` item becomes `num_processes` stop items carrying it. Reports the step's groups to `progress`: `train`
+    for scored groups, `hold` for pending ones. An exception while collating a plan becomes a stop item with the error,
     like `StopAwareDataset` does.
 
     With `scale_rewards="batch"`, the step is the batch: the scored groups' advantages (group-centred by the rollout
@@ -57,8 +58,8 @@ class ProgressCollator:
         num_processes: int,
         pad_token_id: int = 0,
         reward_names: Sequence[str] = (),
-        scale_rewards: str = "group",
-        advantage_estimator: str = "grpo",
+        scale_rewards: ScaleRewards = "group",
+        advantage_estimator: AdvantageEstimator = "grpo",
     ) -> None:
         if num_processes < 1:
             raise ValueError(f"`ProgressCollator(num_processes={num_processes})` must be at least 1.")
@@ -71,12 +72,13 @@ class ProgressCollator:
 
     def __call__(self, item: StepPlan | RolloutStop) -> list[StepBatch]:
         if isinstance(item, RolloutStop):
-            return [StepBatch.stop_item(item.error, stalled=item.stalled) for _ in range(self.num_processes)]
+            return [StepBatch(stop=item) for _ in range(self.num_processes)]
         try:
             batches = self._collate(item)
         except Exception as exc:
             log.error("Collating a step failed; stopping every rank.", exc_info=exc)
-            return [StepBatch.stop_item(describe_failure(exc)) for _ in range(self.num_processes)]
+            stop = RolloutStop(error=describe_failure(exc))
+            return [StepBatch(stop=stop) for _ in range(self.num_processes)]
         if self.progress is not None:
             pending = set(item.pending_group_ids)
             self.progress.train([g for g in item.group_ids if g not in pending])

@@ -33,26 +33,36 @@ DROP_HINTS = {
 
 
 class RolloutStop(Exception):  # noqa: N818 - the seed's name
-    """Ends the rollout stream; `error` is set when the run made no progress or rank 0's pipeline failed.
+    """How the rollout stream ended: cleanly, with an error, or because the trainer was asked to stop.
 
-    `error` is text, so the stop pickles and crosses processes (every rank receives it as a `StepBatch.stop_item`).
-    `stalled` tells a stall (a full pass over the prompts trained nothing) from a failure.
+    The one record of a stop. The ledger and the planner raise it; the collator wraps it in one stop item
+    (`StepBatch(stop=...)`) per rank, and the stream scatters those, so every rank learns at the same micro-batch that
+    the stream ended and how (`RolloutStopCallback` ends the fit on it). It crosses processes by pickle: `error` is
+    text (type, message and traceback), never an exception object.
+
+    Attributes:
+        error: why the run cannot go on (a stall, or rank 0's pipeline failed), which every rank raises; None for a
+            clean end.
+        stalled: the error is a stall (a full pass over the prompts trained no group), not a failure.
+        preempted: sent because the trainer was asked to stop (SIGTERM) while it waited for rollouts.
     """
 
-    def __init__(self, error: str | None = None, *, stalled: bool = False) -> None:
+    def __init__(self, error: str | None = None, *, stalled: bool = False, preempted: bool = False) -> None:
         super().__init__(error)
         self.error = error
         self.stalled = stalled
+        self.preempted = preempted
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _rollout_stop, (self.error, self.stalled)
+        return _rollout_stop, (self.error, self.stalled, self.preempted)
 
     def __repr__(self) -> str:
-        return f"RolloutStop(error={self.error!r}" + (", stalled=True)" if self.stalled else ")")
+        flags = "".join(f", {name}=True" for name in ("stalled", "preempted") if getattr(self, name))
+        return f"RolloutStop(error={self.error!r}{flags})"
 
 
-def _rollout_stop(error: str | None, stalled: bool) -> RolloutStop:
-    return RolloutStop(error, stalled=stalled)
+def _rollout_stop(error: str | None, stalled: bool, preempted: bool) -> RolloutStop:
+    return RolloutStop(error, stalled=stalled, preempted=preempted)
 
 
 class RolloutProgress:
@@ -69,33 +79,33 @@ class RolloutProgress:
     - `drop(id, reason)` / `exclude(id, reason)`: consumed without training (final at once, checkpointed). Each
       extends the stall run and counts under its reason.
 
-    The stream ends with `RolloutStop()` once `epochs_done` group ids are consumed, and with `RolloutStop(error=...)`
+    The stream ends with `RolloutStop()` once `total_groups` group ids are consumed, and with `RolloutStop(error=...)`
     once `stall_groups` groups in a row were consumed without one training (the stall wins when both hold).
 
     Args:
         consumed: group ids consumed before this run (a `set` is updated in place, so a caller may share it).
-        epochs_done: the number of groups in the run, `len(GroupSchedule)`: the epochs are done once that many
-            distinct ids (all in `range(epochs_done)`) are consumed.
+        total_groups: the number of groups in the run, `len(GroupSchedule)` (epochs x prompts): the run's groups
+            are all consumed once that many distinct ids (all in `range(total_groups)`) are.
         stall_groups: how many groups in a row may be consumed without one training; callers default it to one
             pass over the prompts.
 
     Raises:
-        ValueError: on non-positive `epochs_done` or `stall_groups`, or ids outside `range(epochs_done)`.
+        ValueError: on non-positive `total_groups` or `stall_groups`, or ids outside `range(total_groups)`.
 
     Example::
 
-        progress = RolloutProgress(epochs_done=len(schedule), stall_groups=schedule.num_prompts)
+        progress = RolloutProgress(total_groups=len(schedule), stall_groups=schedule.num_prompts)
         progress.load_state_dict(checkpoint_state)  # on resume
         child_ids = schedule.group_ids(skip=set(progress.consumed))
     """
 
-    def __init__(self, consumed: Iterable[int] = (), *, epochs_done: int, stall_groups: int) -> None:
-        if epochs_done < 1 or stall_groups < 1:
+    def __init__(self, consumed: Iterable[int] = (), *, total_groups: int, stall_groups: int) -> None:
+        if total_groups < 1 or stall_groups < 1:
             raise ValueError(
-                f"`RolloutProgress(epochs_done={epochs_done}, stall_groups={stall_groups})`: both must be at least 1 "
-                "(epochs_done is the run's number of groups, len(GroupSchedule))."
+                f"`RolloutProgress(total_groups={total_groups}, stall_groups={stall_groups})`: both must be at least 1 "
+                "(total_groups is the run's number of groups, len(GroupSchedule))."
             )
-        self.epochs_done = epochs_done
+        self.total_groups = total_groups
         self.stall_groups = stall_groups
         self.consumed: set[int] = consumed if isinstance(consumed, set) else set(consumed)
         self._check_ids(self.consumed, "consumed")
@@ -109,10 +119,10 @@ class RolloutProgress:
 
     def outstanding(self) -> int:
         """Groups of the run not consumed yet (some may sit in the planner's open step)."""
-        return self.epochs_done - len(self.consumed)
+        return self.total_groups - len(self.consumed)
 
-    def settled(self) -> int:
-        """Groups whose fate is final: trained and committed, dropped or excluded. Generation is paced on it."""
+    def final_group_count(self) -> int:
+        """How many groups' fate is final: trained in a committed step, dropped or excluded (pacing reads it)."""
         return len(self.consumed) - len(self._uncommitted) - len(self._held)
 
     @property
@@ -187,7 +197,7 @@ class RolloutProgress:
         error = self.stall_error()
         if error is not None:
             raise RolloutStop(error=error, stalled=True)
-        if len(self.consumed) >= self.epochs_done:
+        if len(self.consumed) >= self.total_groups:
             raise RolloutStop()
 
     def stall_error(self) -> str | None:
@@ -201,8 +211,8 @@ class RolloutProgress:
     def summary(self) -> dict[str, int]:
         """`{"groups_consumed", "groups_total", "groups_trained", "groups_dropped"}` (dropped and excluded together)."""
         return {
-            "groups_consumed": self.settled(),
-            "groups_total": self.epochs_done,
+            "groups_consumed": self.final_group_count(),
+            "groups_total": self.total_groups,
             "groups_trained": self.trained_total,
             "groups_dropped": sum(self.dropped.values()) + sum(self.excluded.values()),
         }
@@ -228,9 +238,9 @@ class RolloutProgress:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()`'s output; ids at or past `epochs_done` (a run made shorter) are left out."""
-        ids = set(range(min(int(state.get("frontier", 0)), self.epochs_done)))
-        ids.update(int(g) for g in state.get("consumed_above", ()) if 0 <= int(g) < self.epochs_done)
+        """Restore `state_dict()`'s output; ids at or past `total_groups` (a run made shorter) are left out."""
+        ids = set(range(min(int(state.get("frontier", 0)), self.total_groups)))
+        ids.update(int(g) for g in state.get("consumed_above", ()) if 0 <= int(g) < self.total_groups)
         self.consumed.clear()
         self.consumed.update(ids)
         self.dropped = Counter(state.get("dropped", {}))
@@ -242,11 +252,11 @@ class RolloutProgress:
         self._held.clear()
 
     def _check_ids(self, group_ids: Iterable[int], verb: str) -> None:
-        bad = [g for g in group_ids if not 0 <= g < self.epochs_done]
+        bad = [g for g in group_ids if not 0 <= g < self.total_groups]
         if bad:
             raise ValueError(
-                f"`RolloutProgress.{verb}`: group ids {bad[:10]} are outside the run's range(epochs_done="
-                f"{self.epochs_done}). Set epochs_done to len(GroupSchedule) of the schedule that made them."
+                f"`RolloutProgress.{verb}`: group ids {bad[:10]} are outside the run's range(total_groups="
+                f"{self.total_groups}). Set total_groups to len(GroupSchedule) of the schedule that made them."
             )
 
     def _claim(self, group_ids: Iterable[int], verb: str, allow_held: bool = True) -> list[int]:

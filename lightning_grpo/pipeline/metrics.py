@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 MetricValue = float | tuple[float, float]
 
@@ -34,14 +34,15 @@ def reduce_metric(key: str, values: list[MetricValue]) -> float:
     if isinstance(values[0], tuple):
         numerator, denominator = (sum(part) for part in zip(*values, strict=True))
         return numerator / denominator if denominator else float("nan")
+    numbers = [value for value in values if not isinstance(value, tuple)]  # a window holds one kind of value
     if is_counter(key):
-        return float(sum(values))
+        return float(sum(numbers))
     words = key.split("/")[-1].split("_")
     if "max" in words:
-        return float(max(values))
+        return float(max(numbers))
     if "min" in words:
-        return float(min(values))
-    return float(sum(values) / len(values))
+        return float(min(numbers))
+    return float(sum(numbers) / len(numbers))
 
 
 class MetricWindow:
@@ -53,7 +54,7 @@ class MetricWindow:
     def add(self, key: str, value: MetricValue) -> None:
         self._values[key].append(value)
 
-    def update(self, values: Mapping[str, MetricValue | Iterable[MetricValue]]) -> None:
+    def update(self, values: Mapping[str, MetricValue | list[MetricValue]]) -> None:
         """Add a dict of values; a list value adds each of its items (a metrics sink of lists, like TRL's)."""
         for key, value in values.items():
             if isinstance(value, list):

@@ -7,12 +7,13 @@ a group across two optimizer steps and never leaving a row empty; `ProgressColla
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import queue
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -24,7 +25,13 @@ from .metrics import append_metric
 log = logging.getLogger(__name__)
 
 Group = list[RolloutSample]
-_END = object()  # an iterable source ran out
+
+
+class _Source(enum.Enum):
+    END = "end"  # an iterable source ran out
+
+
+_END = _Source.END
 
 
 @dataclass(slots=True)
@@ -316,7 +323,7 @@ class StepPlanner:
         if self._open.groups:
             yield self._emit()
 
-    def _pull(self, source: Iterator[Group] | None) -> Group | object | None:
+    def _pull(self, source: Iterator[Group] | None) -> Group | Literal[_Source.END] | None:
         """The next group; None when none arrived within `poll_interval_s`; `_END` when an iterable ran out."""
         if self.progress is not None:
             self.progress.check()  # the run may have ended while the last step trained
@@ -454,7 +461,9 @@ class StepPlanner:
 
     def _emit(self) -> StepPlan:
         step, self._open = self._open, self._new_step()
-        samples, group_ids, pending = [], [], []
+        samples: list[RolloutSample] = []
+        group_ids: list[int] = []
+        pending: list[int] = []
         for group in step.groups:
             group_ids.append(group.samples[0].group_id)
             if group.pending:
@@ -519,7 +528,7 @@ class StepPlanner:
                 rank = min((r for r in range(self.num_processes) if placed[r] is None), key=lambda r: totals[r])
                 placed[rank] = row
                 totals[rank] += row.load
-            micro_batches.append(placed)
+            micro_batches.append([row for row in placed if row is not None])  # all placed: a row per rank
         return micro_batches
 
     def _step_metrics(

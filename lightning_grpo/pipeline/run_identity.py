@@ -17,6 +17,8 @@ import json
 import logging
 from typing import Any
 
+from ..options import DataModuleOptions
+
 log = logging.getLogger(__name__)
 
 #: The recorded fields, in the order a refusal lists them.
@@ -32,14 +34,14 @@ def prompts_fingerprint(prompts: Any) -> str:
     return digest.hexdigest()[:16]
 
 
-def run_identity(prompts: Any, hparams: Any, groups_per_step: int | None) -> dict[str, Any]:
-    """The recorded fields of a run on `prompts` with the data module's `hparams`; plain types only."""
+def run_identity(prompts: Any, options: DataModuleOptions, groups_per_step: int | None) -> dict[str, Any]:
+    """The recorded fields of a run on `prompts` under the data module's `options`; plain types only."""
     return {
         "dataset_fingerprint": prompts_fingerprint(prompts),
         "dataset_size": len(prompts),
-        "epochs": int(hparams.epochs),
-        "seed": int(hparams.seed),
-        "num_generations": int(hparams.num_generations),
+        "epochs": int(options.steps.epochs),
+        "seed": int(options.steps.seed),
+        "num_generations": int(options.sampling.num_generations),
         "groups_per_step": groups_per_step,
     }
 

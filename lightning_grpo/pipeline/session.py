@@ -11,14 +11,33 @@ import logging
 import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..data.tooling import ConversationSpec
+from ..options import AdvantageEstimator, DataModuleOptions, LoopOptions, ScaleRewards
+from ..serving.server_urls import server_stale_after_s
+from .collating import ProgressCollator
 from .ledger import RolloutProgress
 from .metrics import MetricWindow
 from .stream import RolloutPipeline
 
 log = logging.getLogger(__name__)
+
+
+class CollatorFactory(Protocol):
+    """Makes the pipeline's collator (`lightning_grpo.scoring.collator.make_step_collator`)."""
+
+    def __call__(
+        self,
+        progress: RolloutProgress,
+        *,
+        scorers: Sequence[Any],
+        num_processes: int,
+        pad_token_id: int,
+        reward_names: Sequence[str],
+        scale_rewards: ScaleRewards,
+        advantage_estimator: AdvantageEstimator,
+    ) -> ProgressCollator: ...
 
 
 @dataclass(frozen=True)
@@ -30,7 +49,7 @@ class SessionOptions:
     reward_funcs: Sequence[Callable]
     tokenizer: Any
     eos_token_ids: tuple[int, ...]
-    hparams: Any  # the data module's hyper-parameters
+    options: DataModuleOptions  # the data module's options
     loop_cls: type | None
     loop_kwargs: dict[str, Any]
     world_size: int
@@ -59,10 +78,11 @@ class RolloutSession:
     @classmethod
     def start(
         cls,
-        options: SessionOptions,
+        session: SessionOptions,
         *,
         progress: RolloutProgress,
         scorers: Sequence[Any],
+        collator: ProgressCollator,
         model_version: Callable[[], int],
         generator: Any,
         interrupted: Callable[[], bool] | None = None,
@@ -70,9 +90,10 @@ class RolloutSession:
         """Spawn the rollout child and build the pipeline over its queue.
 
         Args:
-            options: the resolved data-module options.
+            session: the resolved data-module options.
             progress: the run's ledger (its consumed groups are skipped by the child).
             scorers: the module's trainer scorers; with any, the child leaves advantages pending.
+            collator: the pipeline's collator, built on `progress` (with the scorers' inputs, if any).
             model_version: the policy version the staleness filter compares against (`WeightSync.version`).
             generator: the embedded generator's `GeneratorSpec`, or None for the vLLM server.
             interrupted: True once the trainer must stop (SIGTERM): waiting for rollouts then ends at once.
@@ -80,21 +101,21 @@ class RolloutSession:
         Raises:
             RuntimeError: the child failed while starting (its traceback is in the message).
         """
-        worker = _make_worker(options, progress, generator=generator, trainer_scored=bool(scorers))
+        worker = _make_worker(session, progress, generator=generator, trainer_scored=bool(scorers))
         worker.start()
-        hp = options.hparams
+        steps = session.options.steps
         metrics: dict[str, list] = {}
         pipeline = RolloutPipeline(
             worker,
             progress,
-            planner_kwargs=_planner_kwargs(options, scorers),
-            collator=_make_collator(options, progress, scorers),
+            planner_kwargs=_planner_kwargs(session, scorers),
+            collator=collator,
             model_version=model_version,
-            max_staleness=hp.max_staleness,
-            mask_truncated_completions=hp.mask_truncated_completions,
-            heartbeat_timeout=hp.heartbeat_timeout,
+            max_staleness=steps.max_staleness,
+            mask_truncated_completions=steps.mask_truncated_completions,
+            heartbeat_timeout=session.options.generation.heartbeat_timeout,
             metrics=metrics,
-            core_sharing=options.core_sharing,
+            core_sharing=session.core_sharing,
             interrupted=interrupted,
         )
         return cls(worker, pipeline, metrics)
@@ -117,181 +138,141 @@ class RolloutSession:
         self.worker.stop()
 
 
-def _make_worker(options: SessionOptions, progress: RolloutProgress, *, generator: Any, trainer_scored: bool) -> Any:
-    from ..rollout.vllm_servers import server_stale_after_s
+def _make_worker(session: SessionOptions, progress: RolloutProgress, *, generator: Any, trainer_scored: bool) -> Any:
     from ..rollout.worker import GRPORolloutWorker
 
-    hp = options.hparams
-    loop_options = dict(
-        model_name=options.model_name,
-        dataset=options.dataset,
-        reward_funcs=list(options.reward_funcs),
-        processing_class=options.tokenizer,
-        eos_token_ids=list(options.eos_token_ids),
-        num_generations=hp.num_generations,
-        max_inflight_tasks=(hp.max_staleness + 1) * options.groups_per_step * hp.num_generations,
-        max_tokens=hp.max_completion_length,
-        temperature=hp.temperature,
-        top_p=hp.top_p,
-        top_k=hp.top_k,
-        min_p=hp.min_p,
-        repetition_penalty=hp.repetition_penalty,
-        stop=hp.stop,
-        vllm_server_url=hp.vllm_server_url,
-        vllm_failover=hp.get("vllm_failover", False),
-        vllm_lost=options.vllm_lost,
-        vllm_stale_after_s=server_stale_after_s(hp),
-        generator=generator,
-        reward_weights=hp.reward_weights,
-        multi_objective_aggregation=hp.multi_objective_aggregation,
-        scale_rewards=hp.scale_rewards,
-        advantage_estimator=hp.advantage_estimator,
-        reward_num_workers=hp.reward_num_workers,
-        reward_timeout=hp.reward_timeout,
-        trainer_scored=trainer_scored,
-        epochs=hp.epochs,
-        seed=hp.seed,
-        consumed=set(progress.consumed),
-        groups_per_step=options.groups_per_step,
-        max_staleness=hp.max_staleness,
-        lora_name=options.lora_name,
-        core_sharing=options.core_sharing,
-        **options.conversation.loop_options(),
-    )
-    if loop_options.keys() != LOOP_OPTION_NAMES:  # the two lists are kept together on purpose
-        raise RuntimeError(f"LOOP_OPTION_NAMES is out of date: {sorted(loop_options.keys() ^ LOOP_OPTION_NAMES)}")
+    loop = loop_options(session, progress, generator=generator, trainer_scored=trainer_scored)
     return GRPORolloutWorker(
-        loop_cls=options.loop_cls,
-        child_ready_timeout=hp.child_ready_timeout,
-        **loop_options,
-        **options.loop_kwargs,
+        loop_cls=session.loop_cls,
+        child_ready_timeout=session.options.generation.child_ready_timeout,
+        **loop.arguments(),
+        **session.loop_kwargs,
     )
 
 
-#: The loop arguments the session sets from the data module's options; `loop_kwargs` may not set them.
-LOOP_OPTION_NAMES = frozenset(
-    {
-        "model_name",
-        "dataset",
-        "reward_funcs",
-        "processing_class",
-        "eos_token_ids",
-        "num_generations",
-        "max_inflight_tasks",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "stop",
-        "vllm_server_url",
-        "vllm_failover",
-        "vllm_lost",
-        "vllm_stale_after_s",
-        "generator",
-        "reward_weights",
-        "multi_objective_aggregation",
-        "scale_rewards",
-        "advantage_estimator",
-        "reward_num_workers",
-        "reward_timeout",
-        "trainer_scored",
-        "epochs",
-        "seed",
-        "consumed",
-        "groups_per_step",
-        "max_staleness",
-        "lora_name",
-        "core_sharing",
-        "tools",
-        "environment_factory",
-        "max_tool_calling_iterations",
-        "tool_timeout",
-        "prompt_format",
-    }
-)
+def loop_options(
+    session: SessionOptions, progress: RolloutProgress, *, generator: Any, trainer_scored: bool
+) -> LoopOptions:
+    """The rollout loop's arguments the session sets: the data module's options, resolved for this fit."""
+    opts = session.options
+    sampling, rewards, steps, vllm = opts.sampling, opts.rewards, opts.steps, opts.vllm
+    return LoopOptions(
+        model_name=session.model_name,
+        dataset=session.dataset,
+        reward_funcs=list(session.reward_funcs),
+        processing_class=session.tokenizer,
+        eos_token_ids=list(session.eos_token_ids),
+        num_generations=sampling.num_generations,
+        max_inflight_tasks=(steps.max_staleness + 1) * session.groups_per_step * sampling.num_generations,
+        max_tokens=sampling.max_completion_length,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
+        stop=sampling.stop,
+        vllm_server_url=vllm.vllm_server_url,
+        vllm_failover=vllm.vllm_failover,
+        vllm_lost=session.vllm_lost,
+        vllm_stale_after_s=server_stale_after_s(opts.generation),
+        generator=generator,
+        reward_weights=rewards.reward_weights,
+        multi_objective_aggregation=rewards.multi_objective_aggregation,
+        scale_rewards=rewards.scale_rewards,
+        advantage_estimator=rewards.advantage_estimator,
+        reward_num_workers=rewards.reward_num_workers,
+        reward_timeout=rewards.reward_timeout,
+        trainer_scored=trainer_scored,
+        epochs=steps.epochs,
+        seed=steps.seed,
+        consumed=set(progress.consumed),
+        groups_per_step=session.groups_per_step,
+        max_staleness=steps.max_staleness,
+        lora_name=session.lora_name,
+        core_sharing=session.core_sharing,
+        **session.conversation.loop_options(),
+    )
 
 
-def _planner_kwargs(options: SessionOptions, scorers: Sequence[Any]) -> dict[str, Any]:
-    hp = options.hparams
+def _planner_kwargs(session: SessionOptions, scorers: Sequence[Any]) -> dict[str, Any]:
+    steps, sampling = session.options.steps, session.options.sampling
     return {
-        "num_processes": options.world_size,
-        "steps": hp.gradient_accumulation_steps,
-        "token_budget": hp.token_budget,
-        "samples_per_row": hp.samples_per_row or hp.num_generations,
+        "num_processes": session.world_size,
+        "steps": steps.gradient_accumulation_steps,
+        "token_budget": steps.token_budget,
+        "samples_per_row": steps.samples_per_row or sampling.num_generations,
         "scorers": list(scorers),
-        "max_groups_per_step": options.groups_per_step,
+        "max_groups_per_step": session.groups_per_step,
     }
 
 
-def _make_collator(options: SessionOptions, progress: RolloutProgress, scorers: Sequence[Any]) -> Any:
+def _make_collator(
+    session: SessionOptions, progress: RolloutProgress, scorers: Sequence[Any], make_collator: CollatorFactory
+) -> ProgressCollator:
     from .._trl import get_callable_name
 
-    names = [get_callable_name(func) for func in options.reward_funcs] + options.conversation.reward_names
-    hp = options.hparams
-    kwargs = dict(
-        num_processes=options.world_size,
-        pad_token_id=options.tokenizer.pad_token_id or 0,
-        reward_names=names,
-        scale_rewards=hp.scale_rewards,
-        advantage_estimator=hp.advantage_estimator,
+    rewards = session.options.rewards
+    return make_collator(
+        progress,
+        scorers=scorers,
+        num_processes=session.world_size,
+        pad_token_id=session.tokenizer.pad_token_id or 0,
+        reward_names=[get_callable_name(func) for func in session.reward_funcs] + session.conversation.reward_names,
+        scale_rewards=rewards.scale_rewards,
+        advantage_estimator=rewards.advantage_estimator,
     )
-    if not scorers:
-        from .collating import ProgressCollator
-
-        return ProgressCollator(progress, **kwargs)
-    from ..scoring.collator import ScoringCollator
-
-    return ScoringCollator(progress, scorers=scorers, **kwargs)
 
 
-def embedded_generator_spec(hp: Any, policy: Any, eos: Sequence[int], tokenizer: Any, weight_receiver: Any) -> Any:
-    """The `GeneratorSpec` of the embedded generator under the data module's options `hp` (a `GeneratorReplicasSpec`
-    with `generator_replicas` > 1); None for vLLM."""
-    if hp.generator != "embedded":
+def embedded_generator_spec(
+    options: DataModuleOptions, policy: Any, eos: Sequence[int], tokenizer: Any, weight_receiver: Any
+) -> Any:
+    """The `GeneratorSpec` of the embedded generator under the data module's options (a `GeneratorReplicasSpec` with
+    `generator_replicas` > 1); None for vLLM."""
+    generation, sampling = options.generation, options.sampling
+    if generation.generator != "embedded":
         return None
-    from ..models.precision import resolve_generator_dtype
+    from ..models.dtype_probe import resolve_generator_dtype
     from ..rollout.generator import GeneratorSpec, PolicySpec
     from ..rollout.replicas import GeneratorReplicasSpec
-    from ..rollout.vllm_servers import server_stale_after_s
 
-    dtype, why = resolve_generator_dtype(hp.generator_dtype, policy.dtype)
+    dtype, why = resolve_generator_dtype(generation.generator_dtype, policy.dtype)
     log.info("The embedded generator samples in %s: %s.", dtype, why)
     spec = GeneratorSpec(
         PolicySpec.from_model(policy, dtype),
         eos_token_ids=tuple(eos),
-        temperature=hp.temperature,
-        top_p=hp.top_p,
-        top_k=hp.top_k,
-        min_p=hp.min_p,
-        repetition_penalty=hp.repetition_penalty,
-        stop=hp.stop,
-        tokenizer=tokenizer if hp.stop else None,
-        max_tokens=hp.max_completion_length,
-        max_batch_size=max(hp.num_generations, 64),
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
+        stop=sampling.stop,
+        tokenizer=tokenizer if sampling.stop else None,
+        max_tokens=sampling.max_completion_length,
+        max_batch_size=max(sampling.num_generations, 64),
         weight_receiver=weight_receiver,
-        num_threads=hp.generator_threads,
+        num_threads=generation.generator_threads,
     )
-    if hp.generator_replicas == 1:
+    if generation.generator_replicas == 1:
         return spec
-    return GeneratorReplicasSpec(spec, hp.generator_replicas, stale_after_s=server_stale_after_s(hp))
+    return GeneratorReplicasSpec(spec, generation.generator_replicas, stale_after_s=server_stale_after_s(generation))
 
 
-def start_rollout_session(datamodule: Any, module: Any) -> RolloutSession:
+def start_rollout_session(datamodule: Any, module: Any, make_collator: CollatorFactory) -> RolloutSession:
     """Rank 0: start the rollout session of `datamodule` (a `GRPODataModule` in `train_dataloader`, its prompts,
-    rewards, weight sync and threads set up) for `module`'s policy and scorers (a `PolicySource`)."""
+    rewards, weight sync and threads set up) for `module`'s policy and scorers (a `PolicySource`), its pipeline
+    collating with what `make_collator` makes."""
     from ..models.loading import eos_token_ids
 
-    hp, sync = datamodule.hparams, datamodule.weight_sync
+    options: DataModuleOptions = datamodule.options
+    sync = datamodule.weight_sync
     eos = eos_token_ids(datamodule.tokenizer, module.policy)
-    options = SessionOptions(
+    session = SessionOptions(
         model_name=datamodule.model_name or module.model_name or "policy",
         dataset=datamodule.train_prompts,
         reward_funcs=datamodule.reward_funcs,
         tokenizer=datamodule.tokenizer,
         eos_token_ids=tuple(eos),
-        hparams=hp,
+        options=options,
         loop_cls=datamodule.loop_cls,
         loop_kwargs=datamodule.loop_kwargs,
         world_size=datamodule.trainer.world_size,
@@ -301,12 +282,14 @@ def start_rollout_session(datamodule: Any, module: Any) -> RolloutSession:
         conversation=datamodule.conversation,
         core_sharing=datamodule.core_sharing,
     )
-    receiver = sync.receiver() if hp.generator == "embedded" else None  # a vLLM server receives by itself
+    scorers = list(module.scorers)
+    receiver = sync.receiver() if options.generation.generator == "embedded" else None  # vLLM receives by itself
     return RolloutSession.start(
-        options,
+        session,
         progress=datamodule.progress,
-        scorers=list(module.scorers),
+        scorers=scorers,
+        collator=_make_collator(session, datamodule.progress, scorers, make_collator),
         model_version=lambda: sync.version,
-        generator=embedded_generator_spec(hp, module.policy, eos, datamodule.tokenizer, receiver),
+        generator=embedded_generator_spec(options, module.policy, eos, datamodule.tokenizer, receiver),
         interrupted=lambda: datamodule.trainer.received_sigterm,  # Lightning's SIGTERM flag (PreemptionCallback)
     )

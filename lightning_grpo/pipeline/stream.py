@@ -83,7 +83,7 @@ class RolloutPipeline:
         self.interrupted = interrupted
         self.progress = progress
         self.metrics = metrics
-        self._settled_at_start = progress.settled()
+        self._final_at_start = progress.final_group_count()
         self._heartbeat_timeout = heartbeat_timeout
         groups = GroupedQueue(worker.rollout_buffer, health_check=self._poll)
         filtered = SampleFilterQueue(
@@ -107,9 +107,9 @@ class RolloutPipeline:
         self.report_consumed()
 
     def report_consumed(self) -> None:
-        """Pacing counts settled groups (trained steps are committed after their weights are pushed), so a group
-        admitted now is generated with the newest weights and trains within `max_staleness` versions of them."""
-        self.worker.groups_consumed = self.progress.settled() - self._settled_at_start
+        """Pacing counts groups whose fate is final (trained steps are committed after their weights are pushed), so a
+        group admitted now is generated with the newest weights and trains within `max_staleness` versions of them."""
+        self.worker.groups_consumed = self.progress.final_group_count() - self._final_at_start
 
     def _step_gauges(self, waited_s: float) -> dict[str, float]:
         gauges = {key: reduce_metric(key, self.metrics.pop(key)) for key in STEP_GAUGES if self.metrics.get(key)}
@@ -127,10 +127,10 @@ class RolloutPipeline:
             with self._waiting():
                 item = next(items)
             batches = self.collator(item)
-            if not batches[0].stop:
+            if batches[0].stop is None:
                 batches[0].metrics.update(self._step_gauges(waited_s=time.monotonic() - started))
             yield batches
-            if isinstance(item, RolloutStop) or batches[0].stop:
+            if isinstance(item, RolloutStop) or batches[0].stop is not None:
                 return
 
 
@@ -140,7 +140,7 @@ class StepStream(torch.utils.data.IterableDataset):
     On rank 0 it pulls the next step from `source` (a `RolloutPipeline`) and scatters rank r's batch to rank r over
     `group` (a gloo `scatter_object_list`); the other ranks receive. Every rank therefore fetches the same number of
     times, and the stop item that ends the rollout stream reaches all of them at the same batch. The stop item never
-    leaves the stream: it is kept as `stop`, and the iterator ends.
+    leaves the stream: its `RolloutStop` is kept as `stop`, and the iterator ends.
 
     `look_ahead()` fetches the next step as soon as the previous one trained (`RolloutStopCallback` calls it after
     the weight push), and holds it for the next `__next__`. So the run's end is known at the end of its last step,
@@ -173,7 +173,7 @@ class StepStream(torch.utils.data.IterableDataset):
         self.world_size = world_size
         self.group = group
         self.max_batches = max_batches
-        self.stop: StepBatch | None = None
+        self.stop: RolloutStop | None = None
         self._held: StepBatch | None = None
         self._steps: Iterator[list[StepBatch]] | None = None
 
@@ -186,13 +186,13 @@ class StepStream(torch.utils.data.IterableDataset):
         """
         return self.max_batches
 
-    def look_ahead(self) -> StepBatch | None:
-        """Every rank: fetch the next step now and hold it for the next `__next__`; returns the stop item if the
-        stream ended there (None while it goes on)."""
+    def look_ahead(self) -> RolloutStop | None:
+        """Every rank: fetch the next step now and hold it for the next `__next__`; returns the stream's stop if it
+        ended there (None while it goes on)."""
         if self.stop is None and self._held is None:
             batch = self._fetch()
-            if batch.stop:
-                self.stop = batch
+            if batch.stop is not None:
+                self.stop = batch.stop
             else:
                 self._held = batch
         return self.stop
@@ -213,16 +213,17 @@ class StepStream(torch.utils.data.IterableDataset):
 
     def _fetch(self) -> StepBatch:
         batches = None
-        if self.rank == 0:
+        if self.rank == 0 and self.source is not None:  # rank 0 has one (checked at construction)
             if self._steps is None:
                 self._steps = iter(self.source)
             try:
                 batches = next(self._steps)
             except StopIteration:
-                batches = [StepBatch.stop_item("The rollout pipeline ended without a stop item.")] * self.world_size
+                ended = RolloutStop(error="The rollout pipeline ended without a stop item.")
+                batches = [StepBatch(stop=ended)] * self.world_size
             except RolloutPreempted:
-                batches = [StepBatch.stop_item(preempted=True)] * self.world_size
-        if self.world_size == 1:
+                batches = [StepBatch(stop=RolloutStop(preempted=True))] * self.world_size
+        if self.world_size == 1 and batches is not None:  # rank 0 alone
             return batches[0]
         received: list[Any] = [None]
         dist.scatter_object_list(received, batches if self.rank == 0 else None, src=0, group=self.group)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, get_args
+from typing import get_args
 
 import numpy as np
 
-Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]
-ScaleRewards = Literal["group", "batch", "none"]
-AdvantageEstimator = Literal["grpo", "rloo", "reinforce_plus_plus"]
+from ..options import AdvantageEstimator, ScaleRewards
+from ..options import MultiObjectiveAggregation as Aggregation
 
 #: Added to a standard deviation before dividing by it, as TRL's GRPOTrainer does.
 STD_EPSILON = 1e-4
@@ -70,7 +69,7 @@ def compute_group_advantages(
     centred = values - baseline
     if scale_rewards == "group":
         centred = centred / (values.std(ddof=1) + STD_EPSILON)
-    elif scale_rewards == "batch":
+    elif scale_rewards == "batch" and batch_std is not None:  # `_validated` refused "batch" without one
         centred = centred / (batch_std + STD_EPSILON)
     advantages[scored] = centred
     return rewards, advantages

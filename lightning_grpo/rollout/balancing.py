@@ -1,6 +1,6 @@
 """Spreading one rollout loop's requests over several generation backends: one backend per group, new groups by load.
 
-The vLLM servers of `vllm_server_url=[...]` (`vllm_servers.py`) and the embedded generator's replicas of
+The vLLM servers of `vllm_server_url=[...]` (`vllm_routing.py`) and the embedded generator's replicas of
 `generator_replicas=N` (`replicas.py`) are routed the same way, by a `GroupRouter`: a group's first request goes to
 the live backend with the fewest requests in flight (on a tie, the one given the fewest groups), and every later
 request of that group (its other completions, the later turns of its conversations) goes to the same backend, so a

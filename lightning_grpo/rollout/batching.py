@@ -168,7 +168,8 @@ class ContinuousBatch:
     def _admit(self, waiting: deque) -> list[Any]:
         """Requests that join now: while rows are free, and while the prompts to prefill stay under a token budget
         (at least one prompt a step), so that a burst of long prompts cannot make one step's activations huge."""
-        joining, new = [], set()
+        joining: list[Any] = []
+        new: set[tuple[int, ...]] = set()
         prefill = 0
         while waiting and len(self._rows) + len(joining) < self._max_rows:
             key = waiting[0].key
@@ -190,7 +191,8 @@ class ContinuousBatch:
 
     def _join(self, version: int) -> list[Prefix]:
         """Load each joining request's prefix into the next free slot; returns their prefixes in slot order."""
-        first, rows = [], []
+        first: list[Prefix] = []
+        rows: list[_Row] = []
         for request in self._joining:
             prefix = self._prefixes[request.key].prefix
             self._decoder.load(prefix, [len(self._rows) + len(rows)])

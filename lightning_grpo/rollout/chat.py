@@ -26,7 +26,6 @@ from .._trl import (
     parse_response,
     supports_tool_calling,
 )
-from ..data.sources import as_messages
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +77,11 @@ def hermes_chatml_template(default_system: str = "") -> str:
     """The ChatML tool template, with `default_system` as the system prompt when a conversation has none."""
     literal = "'" + default_system.replace("\\", "\\\\").replace("'", "\\'") + "'"
     return _HERMES_CHATML.replace("DEFAULT_SYSTEM", literal)
+
+
+def as_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A prompt as chat messages: a plain string becomes one user message (see `render_prompt` for raw text)."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
 
 
 def has_chat_template(tokenizer: Any) -> bool:

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._trl import TrainingSequence, TurnRecord, _chain_to_sequences, parse_response
-from ..data.sources import as_messages
-from .chat import PromptFormat, render_prompt, uses_raw_text
+from .chat import PromptFormat, as_messages, render_prompt, uses_raw_text
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ class Conversation:
         options = self.options
         return render_prompt(
             options.tokenizer,
-            self.prompt if self.raw_text else self.messages,
+            self.prompt if self.messages is None else self.messages,  # raw text has no messages
             prompt_format=options.prompt_format,
             tools=self.tools,
             chat_template=options.chat_template,
@@ -103,8 +102,9 @@ class Conversation:
             message = parse_response(tokenizer, list(ids), prefix=list(prompt_ids), tools=self.tools)
         else:  # no tools: plain text, no response parser needed
             message = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
-        self.completion.append(message)
-        self.messages.append(message)
+        completion, messages = self._chat()
+        completion.append(message)
+        messages.append(message)
         calls = message.get("tool_calls")
         if not calls:
             self.done = True
@@ -118,11 +118,18 @@ class Conversation:
 
     def add_tool_results(self, messages: list[dict[str, str]], calls: int, failures: int) -> None:
         """The results of the calls `add_turn` returned, as `tool` messages (context for the next turn)."""
-        self.completion.extend(messages)
-        self.messages.extend(messages)
+        completion, history = self._chat()
+        completion.extend(messages)
+        history.extend(messages)
         self.tool_calls += calls
         self.tool_failures += failures
         self._iterations += 1
+
+    def _chat(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The completion's messages and the whole conversation's; a raw-text one has neither (one turn, then done)."""
+        if isinstance(self.completion, str) or self.messages is None:
+            raise RuntimeError("A raw-text conversation ends after its one turn: it has no messages to add to.")
+        return self.completion, self.messages
 
     def training_sequences(self, fork_threshold_tokens: int) -> tuple[list[TrainingSequence], dict[str, float]]:
         """The conversation's training rows (one, or more where re-tokenization drifted) and TRL's drift tally."""

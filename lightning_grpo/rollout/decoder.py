@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ..models.packed_matmul import pack_weight, packed_linear
 from . import small_matmul
 from .architectures import ARCHITECTURES, architecture_of, layer_rotary_types, layer_windows
 
@@ -38,20 +39,9 @@ SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 # Cache slots and positions grow in these steps: each growth copies the whole cache once.
 _SLOT_STEP = 8
 _POSITION_STEP = 64
-# The batch size oneDNN lays packed weights out for (it serves any batch size), and the smallest LM head worth packing
-# (a vocabulary of thousands of tokens; smaller layers run slower packed, measured on fp32 CPUs).
-_PACK_ROWS = 32
+# The smallest LM head worth packing (a vocabulary of thousands of tokens; smaller layers run slower packed, measured
+# on fp32 CPUs).
 _PACK_MIN_NUMEL = 1 << 22
-
-
-def pack_weight(weight: torch.Tensor, rows: int = _PACK_ROWS) -> torch.Tensor:
-    """`weight` (out, in) laid out by oneDNN for products of about `rows` rows (where `packing_available`)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T + bias` through oneDNN on a weight `pack_weight` laid out."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class _Linear:
@@ -159,24 +149,6 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def packing_available(dtype: torch.dtype) -> bool:
-    """Whether torch can run linear layers of `dtype` (fp32, or bf16 where oneDNN has bf16 kernels on this CPU)
-    through oneDNN with pre-packed weights."""
-    ops = torch.ops.mkldnn
-    supported = dtype == torch.float32 or (dtype == torch.bfloat16 and _mkldnn_bf16())
-    return (
-        supported
-        and torch.backends.mkldnn.is_available()
-        and hasattr(ops, "_reorder_linear_weight")
-        and hasattr(ops, "_linear_pointwise")
-    )
-
-
-def _mkldnn_bf16() -> bool:
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(check is not None and check())
-
-
 @dataclass(frozen=True, slots=True)
 class Prefix:
     """A prompt's keys and values in every layer and the logits after its last token, computed once."""
@@ -202,7 +174,7 @@ class SlotDecoder:
 
     Args:
         model: a causal LM of a supported type (`check_supported`), in eval mode.
-        packed: run linear layers through oneDNN with pre-packed weights (`packing_available`): in fp32 a large LM
+        packed: run linear layers through oneDNN with pre-packed weights (`models.packed_matmul.packing_available`): in fp32 a large LM
             head (the small-batch kernel takes the layers' few rows), in bf16 every linear layer (oneDNN's packed bf16
             products beat its plain ones at every row count), the projections that read the same input stacked;
             call `repack()` after the model's weights change.

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..data.sources import as_messages
+from .chat import as_messages
 from .tool_calls import Counters, Rates, call_with_timeout, error_text
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,11 @@ class Environments:
 
     def __init__(self, environment_factory: EnvironmentFactory, *, probes: dict[Any, Any] | None = None) -> None:
         self.multi = isinstance(environment_factory, dict)
-        self.factories = dict(environment_factory) if self.multi else {None: environment_factory}
+        self.factories: dict[str | None, Callable[[], Any]] = (
+            {name: factory for name, factory in environment_factory.items()}
+            if isinstance(environment_factory, dict)
+            else {None: environment_factory}
+        )
         self.tools: dict[Any, list[Callable]] = {}
         self.reward_types: list[type] = []
         self._pool: dict[Any, list[Any]] = {}
@@ -64,7 +68,7 @@ class Environments:
         """The reward columns the environments add, after the reward functions': their class names."""
         return [cls.__name__ for cls in self.reward_types]
 
-    def reward_columns(self, rewards: list[tuple[type, float | None] | None]) -> list[list[float | None]]:
+    def rewards_per_type(self, rewards: list[tuple[type, float | None] | None]) -> list[list[float | None]]:
         """Per-rollout `reward()` results as one column per reward type (`reward_names` order), None where that
         type did not score the rollout."""
         return [[r[1] if r is not None and r[0] is cls else None for r in rewards] for cls in self.reward_types]

@@ -22,15 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..models.packed_matmul import packing_available
 from .batching import ContinuousBatch, GenerationOutput, SamplingOptions
-from .decoder import check_supported, packing_available
+from .decoder import check_supported
 from .stop_strings import StopStrings, check_stop
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from ..weights.shared_memory import SharedMemoryWeightReceiver
     from .core_sharing import CoreSharing
+    from .weight_receiver import SharedMemoryWeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class PolicySpec:
             return load_policy(self.name, dtype=dtype).eval()
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        if self.config is None:
+            raise ValueError("A `PolicySpec` needs a `name` or a `config` (see `PolicySpec.from_model`).")
         config = AutoConfig.for_model(**self.config)
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 

@@ -13,8 +13,8 @@ from .._trl import RolloutGroup, TrainingSequence
 class Rollout:
     """One finished conversation of a group, as `_generate_one` returns it plus its environment reward."""
 
-    prompt: list[dict[str, Any]]
-    completion: list[dict[str, Any]]
+    prompt: str | list[dict[str, Any]]  # a string for a raw-text prompt
+    completion: str | list[dict[str, Any]]  # likewise
     completion_ids: list[int]
     sequences: list[TrainingSequence]
     tool_calls: int

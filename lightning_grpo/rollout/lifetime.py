@@ -59,8 +59,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def exit_status(process: subprocess.Popen, timeout_s: float) -> str:
-    """How `process` ended ("killed by SIGKILL", "exit code 1"), waiting up to `timeout_s` for it to end."""
+def exit_status(process: subprocess.Popen | None, timeout_s: float) -> str:
+    """How `process` ended ("killed by SIGKILL", "exit code 1"), waiting up to `timeout_s` for it to end; None is a
+    process that was never started."""
+    if process is None:
+        return "never started"
     try:
         code = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,8 +26,8 @@ from .._trl import (
     get_callable_name,
     is_async_callable,
 )
-from .advantages import compute_group_advantages, learning_signal
-from .chat import conversation_chat_template, ensure_tool_parser
+from .advantages import AdvantageEstimator, Aggregation, ScaleRewards, compute_group_advantages, learning_signal
+from .chat import PromptFormat, conversation_chat_template, ensure_tool_parser
 from .conversation import Conversation, ConversationOptions
 from .environments import Environments, prompt_of, tool_methods, with_observation
 from .groups import Group, Rollout, assemble
@@ -124,15 +124,15 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         self,
         *,
         reward_weights: Iterable[float] | None = None,
-        multi_objective_aggregation: str = "sum_then_normalize",
-        scale_rewards: str = "group",
-        advantage_estimator: str = "grpo",
+        multi_objective_aggregation: Aggregation = "sum_then_normalize",
+        scale_rewards: ScaleRewards = "group",
+        advantage_estimator: AdvantageEstimator = "grpo",
         reward_num_workers: int = 1,
         trainer_scored: bool = False,
         reward_timeout: float = 60.0,
         generator: Any = None,
         core_sharing: Any = None,
-        stop: Iterable[str] | None = None,
+        stop: Sequence[str] | None = None,
         epochs: int = 1,
         seed: int = 0,
         shuffle: bool = True,
@@ -141,7 +141,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         max_staleness: int = 4,
         groups_consumed_value: Any = None,
         tool_timeout: float | None = 60.0,
-        prompt_format: str = "auto",
+        prompt_format: PromptFormat = "auto",
         **kwargs: Any,
     ) -> None:
         tokenizer = kwargs["processing_class"]
@@ -158,13 +158,13 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
             chat_template_kwargs=self.chat_template_kwargs,
             max_tool_calling_iterations=self.max_tool_calling_iterations,
         )
-        self.reward_func_names = [*self.reward_func_names]
+        self.reward_func_names: list[str] = [*self.reward_func_names]
         if self._provides_rollout_reward:
             self.reward_func_names.append(self._rollout_reward_name)
         self._weights = self._validated_weights(reward_weights)
         self._aggregation = multi_objective_aggregation
         self._batch_scaled = scale_rewards == "batch"
-        self._scale_rewards = "none" if self._batch_scaled else scale_rewards
+        self._scale_rewards: ScaleRewards = "none" if self._batch_scaled else scale_rewards
         self._estimator = advantage_estimator
         compute_group_advantages(
             np.zeros((len(self._weights), 2)),
@@ -351,7 +351,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         guards = dict(timeout=self._tool_timeout, counters=self._counters, rates=self._rates)
         observation, env_ok = None, True
         try:
-            if environment is not None:
+            if environments is not None and environment is not None:
                 observation, env_ok = await environments.reset(environment, row, **guards)
             prompt = with_observation(prompt_of(row, environment), observation)
             tools = [*self._standalone_tools, *environments.tools[name]] if environments is not None else self.tools
@@ -360,10 +360,10 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
                 prompt, tool_dict=tool_dict, tools=tools, group_id=group_id
             )
             env_reward = None
-            if environment is not None and env_ok:
+            if environments is not None and environment is not None and env_ok:
                 env_reward = await environments.reward(environment, **guards)
         finally:
-            if environment is not None:
+            if environments is not None and environment is not None:
                 environments.release(name, environment)
         version = min(versions) if versions else None
         return Rollout(
@@ -424,7 +424,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
     # -- scoring -----------------------------------------------------------------------------------------------------
 
     async def _score_group(self, group: RolloutGroup) -> list[RolloutSample]:
-        columns = await self._reward_columns(group)
+        columns = await self._reward_table(group)
         rewards, advantages = compute_group_advantages(
             columns, self._weights, self._aggregation, self._scale_rewards, estimator=self._estimator
         )
@@ -434,7 +434,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         self._push_pool_stats()
         return self._samples(group, columns, rewards, advantages, signal)
 
-    async def _reward_columns(self, group: RolloutGroup) -> np.ndarray:
+    async def _reward_table(self, group: RolloutGroup) -> np.ndarray:
         kwargs = dict(
             completions=group.completions,
             prompts=group.prompts,
@@ -443,7 +443,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         )
         columns = await asyncio.gather(*(self._call_reward(i, kwargs) for i in range(len(self.reward_funcs))))
         if self._environments is not None:
-            columns.extend(self._environments.reward_columns(group.env_rewards))
+            columns.extend(self._environments.rewards_per_type(group.env_rewards))
         if self._provides_rollout_reward:
             columns.append(list(group.rollout_rewards))
         table = np.array([[np.nan if r is None else float(r) for r in column] for column in columns], dtype=np.float64)

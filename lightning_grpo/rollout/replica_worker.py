@@ -62,7 +62,7 @@ def _attach_without_tracking() -> None:
         if rtype != "shared_memory":
             register(name, rtype)
 
-    resource_tracker.register = register_but_shared_memory
+    resource_tracker.register = register_but_shared_memory  # type: ignore[assignment]  # typeshed: `name: Sized`
 
 
 def _build(spec: Any, index: int, threads: int) -> Any:

@@ -234,7 +234,7 @@ class GeneratorReplicas:
         while not self._closed and self._failure is None:
             now = time.monotonic()
             for replica in self.replicas:
-                if replica.process.poll() is not None:
+                if replica.process is None or replica.process.poll() is not None:
                     self._lose(replica, f"died ({replica.exit_status()})")
                 elif now - replica.heard_at > self.stale_after_s:
                     self._lose(
@@ -310,7 +310,7 @@ class _Replica:
     def wait_ready(self) -> None:
         """Wait until the replica built its generator (the rollout child's own `child_ready_timeout` bounds it)."""
         while not self.conn.poll(0.2):
-            if self.process.poll() is not None:
+            if self.process is None or self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited while starting ({self.exit_status()}); its stderr is above.")
         try:
             message = self.conn.recv()

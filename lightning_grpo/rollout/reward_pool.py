@@ -387,10 +387,12 @@ class _Slot:
         """One attempt. A worker that died or timed out is reaped here and respawned by the next attempt."""
         if not self._ready and (problem := self._respawn()):
             return _Outcome("closed" if self.state.closing else "died", message=problem)
-        started = time.monotonic()
+        started, conn = time.monotonic(), self._conn
         try:
-            self._conn.send((call.index, call.size, call.payload))
-            reply = self._receive(self._conn, started + self.state.timeout)
+            if conn is None:  # a ready worker has its pipe
+                raise EOFError
+            conn.send((call.index, call.size, call.payload))
+            reply = self._receive(conn, started + self.state.timeout)
         except (OSError, EOFError):
             reply = ("died", None, self._exit_status(), "", "")
         if reply is None:
@@ -399,7 +401,8 @@ class _Slot:
         if kind in ("died", "timeout"):
             self.kill()
             self.state.stats.add(restarts_total=1.0)
-        return _Outcome(kind, *reply[1:], busy_s=time.monotonic() - started)
+        _, rewards, message, site, details = reply  # the worker's (kind, rewards, message, site, traceback)
+        return _Outcome(kind, rewards, message, site, details, busy_s=time.monotonic() - started)
 
     def _respawn(self) -> str:
         """Replaces the worker; returns a problem, or "" when the new one is ready."""
@@ -421,7 +424,7 @@ class _Slot:
                 return None
             if conn.poll(min(remaining, _POLL_S)):
                 return conn.recv()
-            if self._proc.poll() is not None:
+            if self._proc is None or self._proc.poll() is not None:
                 raise EOFError
         return None
 

@@ -24,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,7 +94,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @functools.cache
-def _load() -> tuple[ctypes._CFuncPtr | None, str | None]:
+def _load() -> tuple[Callable[..., int] | None, str | None]:
     """(the kernel's function, None), or (None, why not); the reason is logged once."""
     reason = _refusal()
     if reason is not None:
@@ -136,6 +137,8 @@ def _build() -> Path:
     from ..models.smollm2 import default_cache_dir
 
     compiler = _compiler()
+    if compiler is None:
+        raise OSError("no C compiler found: set $CC or install gcc")
     source = _SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode()])).hexdigest()[:16]

@@ -11,7 +11,7 @@ vLLM's `stop`, and `_vllm_turn` returns with each turn whether vLLM stopped it a
 `"length"`): a turn that ends at a stop string ends without an EOS id and is not truncated.
 
 With several servers (`vllm_server_url=[...]`), each group's requests go to one server, picked by load, and a server
-that is lost fails the child with its URL or, with `vllm_failover`, is left out (see `rollout/vllm_servers.py`).
+that is lost fails the child with its URL or, with `vllm_failover`, is left out (see `rollout/vllm_routing.py`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,18 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from ..serving.server_urls import server_urls
 from .balancing import current_group
-from .vllm_servers import ServerLost, VLLMServers, server_urls
+from .vllm_routing import ServerLost, VLLMServers
+
+if TYPE_CHECKING:  # the class this one is mixed into, so that its attributes and `super()` calls are checked
+    from .._trl import _AsyncRolloutLoop as _Loop
+else:
+    _Loop = object
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +56,7 @@ _finish_reasons: contextvars.ContextVar[list[str | None] | None] = contextvars.C
 )
 
 
-class VLLMRequests:
+class VLLMRequests(_Loop):
     """Overrides of TRL's `_AsyncRolloutLoop._post`, `_retry` and `_run_loops`; mix it in before `_AsyncRolloutLoop`.
 
     Reads the loop's `_counters` and `max_inflight_tasks` (TRL's attributes, pinned by `tests/test_trl_names.py`);
@@ -155,7 +161,7 @@ class VLLMRequests:
     ) -> Any:
         """Retry transport errors and 5xx until `vllm_retry_timeout_s` passed (`max_attempts` is ignored); then (or
         at once, when its process has exited) `server` is lost (`VLLMServers.lose`)."""
-        from ..serving.vllm_server import server_log_tail, server_process_alive
+        from ..serving.vllm_launcher import server_log_tail, server_process_alive
 
         url = self.vllm_servers.urls[server] if server is not None else self.vllm_server_url
         deadline = time.monotonic() + self.vllm_retry_timeout_s

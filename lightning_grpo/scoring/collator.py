@@ -1,13 +1,15 @@
-"""ScoringCollator: the progress collator plus each trainer scorer's inputs."""
+"""ScoringCollator: the progress collator plus each trainer scorer's inputs; `make_step_collator` picks the one a run
+needs."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..options import AdvantageEstimator, ScaleRewards
 from ..pipeline.batch import MicroBatch
 from ..pipeline.collating import ProgressCollator
-from .scorer import TrainerScorer
+from .trainer_scorer import TrainerScorer
 
 if TYPE_CHECKING:
     from ..pipeline.ledger import RolloutProgress
@@ -48,3 +50,27 @@ class ScoringCollator(ProgressCollator):
             for batch, row_inputs in zip(batches, inputs, strict=True):
                 batch.update({f"s{index}_{key}": value for key, value in row_inputs.items()})
         return batches
+
+
+def make_step_collator(
+    progress: RolloutProgress,
+    *,
+    scorers: Sequence[TrainerScorer],
+    num_processes: int,
+    pad_token_id: int,
+    reward_names: Sequence[str],
+    scale_rewards: ScaleRewards,
+    advantage_estimator: AdvantageEstimator,
+) -> ProgressCollator:
+    """The collator of the rollout session's pipeline: a `ScoringCollator` when there are trainer scorers (their
+    inputs travel in each micro-batch), else a `ProgressCollator` (see `lightning_grpo.pipeline.session`)."""
+    kwargs: dict[str, Any] = dict(
+        num_processes=num_processes,
+        pad_token_id=pad_token_id,
+        reward_names=reward_names,
+        scale_rewards=scale_rewards,
+        advantage_estimator=advantage_estimator,
+    )
+    if not scorers:
+        return ProgressCollator(progress, **kwargs)
+    return ScoringCollator(progress, scorers=scorers, **kwargs)

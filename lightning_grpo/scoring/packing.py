@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
 
 from .._trl import TreeRow
 
-TokenSequence = Sequence[int] | np.ndarray | torch.Tensor
+TokenSequence: TypeAlias = Sequence[int] | np.ndarray | torch.Tensor
 
 #: Keys `pack_sequences` returns, and the length in `sizes` each one is cut to by `unpack_sequences`.
 _SIZED_KEYS = {
@@ -101,17 +102,17 @@ def collate_sequences(
         get filler chunks (one token, uid -1), and an empty row gets a filler sequence, so every rank makes the same
         number of `features` calls.
     """
-    filler = (-1, [0], 0)
-    per_row = []
+    filler: tuple[int, TokenSequence, int] = (-1, [0], 0)
+    per_row: list[list[list[tuple[int, TokenSequence, int]]]] = []
     for sequences in rows:
         sequences = list(sequences) or [filler]
         chunks = chunk_sequences([seq for _, seq, _ in sequences], token_budget, share_prefixes)
         per_row.append([[sequences[i] for i in chunk] for chunk in chunks])
     num_chunks = max(len(chunks) for chunks in per_row)
     inputs = []
-    for chunks in per_row:
-        chunks = chunks + [[filler]] * (num_chunks - len(chunks))
-        packed = [_pack_chunk(chunk, share_prefixes) for chunk in chunks]
+    for row_chunks in per_row:
+        padded = row_chunks + [[filler]] * (num_chunks - len(row_chunks))
+        packed = [_pack_chunk(chunk, share_prefixes) for chunk in padded]
         if num_chunks == 1:
             inputs.append(packed[0])
         else:
@@ -177,7 +178,7 @@ def chunk_inputs(inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor
     return [{**shared, **chunks[j]} for j in range(len(chunks))]
 
 
-def _trie_sample(input_ids: np.ndarray) -> dict[str, object]:
+def _trie_sample(input_ids: np.ndarray) -> dict[str, Any]:
     """A sequence as the sample dict `TreeRow` takes: nothing trained, one shared group."""
     zeros = np.zeros_like(input_ids)
     return {"input_ids": input_ids, "completion_mask": zeros, "old_log_probs": zeros, "advantage": 0.0, "group_id": 0}

@@ -35,7 +35,7 @@ from ..rollout.advantages import (
     learning_signal,
 )
 from .packing import chunk_inputs
-from .scorer import FILLER_UID, TrainerScorer, decode_extra_uid
+from .trainer_scorer import FILLER_UID, TrainerScorer, decode_extra_uid
 
 if TYPE_CHECKING:
     from ..pipeline.ledger import RolloutProgress
@@ -381,16 +381,16 @@ def _report(
         progress.exclude(group_id, reason)
 
 
-def score_module_step(module: Any, step: StepBatch) -> ScoredStep | None:
-    """`score_step` with a `GRPOModule`'s scorers and weights and its data module's contract, progress and group;
-    rank 0 adds the scoring metrics to the step's row. Every rank calls it."""
+def score_module_step(module: Any, step: StepBatch, *, scorer_weights: Sequence[float] | None) -> ScoredStep | None:
+    """`score_step` with a `GRPOModule`'s scorers, their `scorer_weights` (None: 1 each) and its data module's
+    contract, progress and group; rank 0 adds the scoring metrics to the step's row. Every rank calls it."""
     contract, datamodule = module.contract, module.trainer.datamodule
-    scorer_weights = module.hparams.scorer_weights or [1.0] * len(module.scorers)
+    weights = list(scorer_weights) if scorer_weights else [1.0] * len(module.scorers)
     scored = score_step(
         module,
         step,
         scorers=module.scorers,
-        reward_weights=[*contract.reward_weights, *scorer_weights],
+        reward_weights=[*contract.reward_weights, *weights],
         aggregation=contract.multi_objective_aggregation,
         scale_rewards=contract.scale_rewards,
         mask_truncated_completions=contract.mask_truncated_completions,

@@ -10,24 +10,24 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import requests
 
-from ..rollout.vllm_servers import server_urls
+from ..options import DataModuleOptions
+from .server_urls import server_urls
 
 
-def check_vllm_servers(hp: Any, model_name: str | None) -> None:
-    """Rank 0, at set-up, with `generator="vllm"`: every server in `hp.vllm_server_url` answers `/health` within
-    `hp.vllm_server_timeout` seconds and lists `model_name` (the name requests send) in `/v1/models`.
+def check_vllm_servers(options: DataModuleOptions, model_name: str | None) -> None:
+    """Rank 0, at set-up, with `generator="vllm"`: every server in `vllm_server_url` answers `/health` within
+    `vllm_server_timeout` seconds and lists `model_name` (the name requests send) in `/v1/models`.
 
     Raises:
         RuntimeError: one line naming each server that did not answer or that serves other models, and the fix.
     """
-    if hp.generator != "vllm" or not model_name:
+    if options.generation.generator != "vllm" or not model_name:
         return
-    urls = server_urls(hp.vllm_server_url)
-    timeout = float(hp.get("vllm_server_timeout", 240.0))
+    urls = server_urls(options.vllm.vllm_server_url)
+    timeout = float(options.vllm.vllm_server_timeout)
     with ThreadPoolExecutor(len(urls), thread_name_prefix="grpo-vllm-check") as pool:
         problems = [p for p in pool.map(lambda url: _problem(url, model_name, timeout), urls) if p is not None]
     if problems:

@@ -11,7 +11,7 @@ the same flag (plus `VLLM_SERVER_DEV_MODE=1`, which enables `/collective_rpc`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 #: Bumped when the RPC methods change, so the trainer can tell an outdated copy from a missing one.
 EXTENSION_VERSION = 1
@@ -24,6 +24,11 @@ class TiedHeadReloadExtension:
     `reload_weights` updates a tied head's tensor in place (it is the embedding) but never re-packs it, so without this
     the server would keep sampling with the old output layer.
     """
+
+    if TYPE_CHECKING:  # what vLLM's worker, which this class is mixed into, provides
+        model_runner: Any
+
+        def reload_weights(self, weights_path: str) -> None: ...
 
     def lightning_grpo_extension(self) -> dict[str, Any]:
         """Probe used by the trainer to check that this extension is loaded."""
@@ -45,7 +50,7 @@ class TiedHeadReloadExtension:
             and getattr(head, "weight", None) is not None
             and head.weight.data_ptr() == embedding.weight.data_ptr()
         )
-        if tied and getattr(head, "quant_method", None) is not None:
+        if tied and head is not None and getattr(head, "quant_method", None) is not None:
             head.quant_method.process_weights_after_loading(head)
         return {"tied_head_repacked": bool(tied)}
 

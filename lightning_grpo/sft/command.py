@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         problems.append("no folder to write: set --sft.output_dir, or model.model in the --config")
     if not data.get("dataset"):
         problems.append("no task: set data.dataset in the --config (e.g. `calculator`)")
-    if problems:
+    if problems or output_dir is None:
         ArgumentParser.error(parser, "; ".join(problems))
     print(f"warm start: {options.num_demonstrations} demonstrations of {data['dataset']!r}, {options.base_model} "
           f"-> {output_dir}", flush=True)  # fmt: skip

@@ -84,28 +84,32 @@ def render_rows(
 
 
 def render_demonstration(
-    spec: ConversationSpec, prompt: list[dict[str, Any]], replies: Sequence[dict[str, Any]]
+    spec: ConversationSpec, prompt: str | list[dict[str, Any]], replies: Sequence[dict[str, Any]]
 ) -> DemonstrationRow:
     """The training row of the conversation in which the assistant answers `prompt` with `replies`, one per turn.
 
     Args:
         spec: the run's conversation spec (`conversation_spec`).
-        prompt: the chat messages the conversation starts from (the dataset row's `prompt`).
+        prompt: the chat messages the conversation starts from (the dataset row's `prompt`; a string is one user
+            message, as in training, where the tokenizer has a chat template).
         replies: the assistant's messages in order; each one with `tool_calls` but the last.
 
     Raises:
-        ValueError: the chat template does not extend the conversation by the reply (it is not prefix-preserving),
-            TRL's parser reads back other tool calls than the reply has, a reply is missing or left over, or the
-            conversation drifted into more than one row.
+        ValueError: a raw-text prompt; the chat template does not extend the conversation by the reply (it is not
+            prefix-preserving), TRL's parser reads back other tool calls than the reply has, a reply is missing or
+            left over, or the conversation drifted into more than one row.
     """
     conversation = Conversation(prompt, spec.options, tools=spec.tools)
+    messages = conversation.messages  # the conversation so far (it grows with each turn)
+    if messages is None:
+        raise ValueError(f"A demonstration's prompt must be chat messages, not raw text ({prompt!r:.80}).")
     caller = ToolCaller(spec.tool_timeout, defaultdict(float), defaultdict(lambda: [0.0, 0.0]))
     tools = {tool.__name__: tool for tool in spec.tools}
     for index, reply in enumerate(replies):
         if conversation.done:
             raise ValueError(f"The demonstration has {len(replies)} replies, but the conversation ended after {index}.")
         prompt_ids = conversation.prompt_ids()
-        ids = _reply_ids(spec, conversation.messages, reply, prompt_ids)
+        ids = _reply_ids(spec, messages, reply, prompt_ids)
         calls = conversation.add_turn(prompt_ids, ids, [0.0] * len(ids))
         if _normalized(calls) != _normalized(reply.get("tool_calls")):
             raise ValueError(

@@ -2,5 +2,5 @@
 (`loss_stats`), the chunked log-probabilities (`selected_logprobs`), tree attention over packed rows (`attention`),
 the reference model of the KL term (`reference`), the policy's adapters and checkpointing (`policy`), data-parallel
 sharding (`sharding`), the per-step metrics (`step_metrics`) and completions table (`completions`), the CPU split
-between trainer and generator (`threads`), the precision chosen for the machine (`auto_precision`), and `StepReplay`
-(`replay`), a rollout source with no rollout child."""
+between trainer and generator (`threads`), the Lightning precision plugin that picks bf16-mixed or fp32 for the
+machine (`precision_plugin`), and `StepReplay` (`replay`), a rollout source with no rollout child."""

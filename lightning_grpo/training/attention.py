@@ -322,7 +322,8 @@ def tree_model_kwargs(inputs: dict[str, torch.Tensor], *, layout: str | None = "
     max_q, max_k = (int(x) for x in inputs["tree_max_seqlens"].tolist())
     kwargs["tree_max_seqlen_q"], kwargs["tree_max_seqlen_k"] = max_q, max_k
     if layout is not None and not _use_flash(inputs["input_ids"]):
-        kwargs["tree_plan"] = TreeAttentionPlan.build(*(inputs[key] for key in _TREE_KEYS), layout=layout)
+        kv_index, cu_q, cu_k = (inputs[key] for key in _TREE_KEYS)
+        kwargs["tree_plan"] = TreeAttentionPlan.build(kv_index, cu_q, cu_k, layout=layout)
     return kwargs
 
 

@@ -15,14 +15,14 @@ REFERENCE_KEY = "grpo_reference_model"
 METRIC_TOTALS_KEY = "grpo_metric_totals"
 
 
-def save_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
-    """Every rank: describe the policy, keep the metric totals, add a mixed reference; with LoRA, keep the adapters
-    and drop the base weights.
+def save_module_state(module: Any, checkpoint: dict[str, Any], *, dtype: str) -> None:
+    """Every rank: describe the policy (loaded in `dtype` when by name), keep the metric totals, add a mixed
+    reference; with LoRA, keep the adapters and drop the base weights.
 
     A sharded (FSDP2) policy's distributed checkpoint keeps the base weights: Lightning's sharded loader asks the
     checkpoint for every tensor of the model, whatever `strict_loading` says.
     """
-    checkpoint[CHECKPOINT_KEY] = policy_record(module.model_name, module.peft_config, module.hparams.dtype)
+    checkpoint[CHECKPOINT_KEY] = policy_record(module.model_name, module.peft_config, dtype)
     checkpoint[METRIC_TOTALS_KEY] = module.step_metrics.state_dict()
     if isinstance(module.reference, ReferenceModel) and module.reference.mixed:
         checkpoint[REFERENCE_KEY] = module.reference.state_dict()

@@ -7,10 +7,11 @@ range, and warns where TRL warns.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
@@ -181,35 +182,48 @@ def _choice_problems(options: LossOptions) -> list[str]:
     ]
 
 
-def module_loss_options(hparams: Any, *, lora: bool) -> LossOptions:
-    """`GRPOModule`'s `LossOptions` from its hyperparameters, checked (see `check_options`), with TRL's deprecated
+@dataclass(frozen=True, slots=True)
+class ReferenceSync:
+    """TR-DPO: how the reference model follows the policy (it needs `beta > 0`)."""
+
+    sync_ref_model: bool  #: mix the policy into the reference every `ref_model_sync_steps` optimizer steps
+    ref_model_mixup_alpha: float  #: `reference = alpha * policy + (1 - alpha) * reference`
+    ref_model_sync_steps: int  #: optimizer steps between two mixes
+
+
+def module_loss_options(
+    loss: LossOptions,
+    *,
+    vllm_importance_sampling_cap: float | None,
+    num_iterations: int,
+    reference: ReferenceSync,
+    lora: bool,
+) -> LossOptions:
+    """`GRPOModule`'s `loss`, checked with its other options (see `check_options`), with TRL's deprecated
     `vllm_importance_sampling_cap` read as `vllm_importance_sampling_clip_max` (and a FutureWarning).
 
     Raises:
         ValueError: an invalid option or combination, or `sync_ref_model` with LoRA.
     """
-    loss = {name: hparams[name] for name in LossOptions.__dataclass_fields__}
-    cap = hparams["vllm_importance_sampling_cap"]
-    if cap is not None:
+    if vllm_importance_sampling_cap is not None:
         warnings.warn(
             "`GRPOModule(vllm_importance_sampling_cap=...)` is deprecated (as in TRL): use "
             "`vllm_importance_sampling_clip_max`.",
             FutureWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-        loss["vllm_importance_sampling_clip_max"] = cap
-    options = LossOptions(**loss)
+        loss = dataclasses.replace(loss, vllm_importance_sampling_clip_max=vllm_importance_sampling_cap)
     check_options(
-        options,
-        num_iterations=hparams["num_iterations"],
-        sync_ref_model=hparams["sync_ref_model"],
-        ref_model_mixup_alpha=hparams["ref_model_mixup_alpha"],
-        ref_model_sync_steps=hparams["ref_model_sync_steps"],
+        loss,
+        num_iterations=num_iterations,
+        sync_ref_model=reference.sync_ref_model,
+        ref_model_mixup_alpha=reference.ref_model_mixup_alpha,
+        ref_model_sync_steps=reference.ref_model_sync_steps,
     )
-    if hparams["sync_ref_model"] and lora:
+    if reference.sync_ref_model and lora:
         raise ValueError(
             "`GRPOModule(sync_ref_model=True)` with a `peft_config`: the reference of a LoRA policy is the policy "
             "with its adapters disabled, which TR-DPO cannot mix into (TRL refuses it too); set "
             "`sync_ref_model=False` or train without LoRA."
         )
-    return options
+    return loss

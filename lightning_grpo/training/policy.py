@@ -28,13 +28,6 @@ CHECKPOINT_KEY = "lightning_grpo_policy"
 _ADAPTABLE = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
 
 
-def is_peft_model(model: Any) -> bool:
-    """Whether `model` is a PEFT model (a `peft.PeftModel`)."""
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
-
-
 def trainable_parameters(policy: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters the optimizer updates: those that require grad (with LoRA, the adapters only)."""
     return [param for param in policy.parameters() if param.requires_grad]

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from ..contract import RolloutContract
 from ..pipeline.batch import StepBatch
+from ..pipeline.ledger import RolloutStop
 from ..weights.sync import WeightSync
 
 
@@ -44,7 +45,7 @@ class StepReplay(pl.LightningDataModule):
         self.progress = None
         self.process_group = None
         self.finished: list[list[int]] = []
-        self._stop: StepBatch | None = None
+        self._stop: RolloutStop | None = None
 
     def rollout_contract(self) -> RolloutContract:
         return self.contract
@@ -53,13 +54,13 @@ class StepReplay(pl.LightningDataModule):
         self.weight_sync.push(self.trainer.lightning_module.policy)
         return DataLoader(self.steps, batch_size=None, collate_fn=_identity)
 
-    def finish_step(self, batch: StepBatch, *, look_ahead: bool) -> StepBatch | None:
+    def finish_step(self, batch: StepBatch, *, look_ahead: bool) -> RolloutStop | None:
         self.finished.append(batch.group_ids)
         if look_ahead and len(self.finished) == len(self.steps):
-            self._stop = StepBatch.stop_item()
+            self._stop = RolloutStop()
         return self._stop
 
-    def stream_stop(self) -> StepBatch | None:
+    def stream_stop(self) -> RolloutStop | None:
         return self._stop
 
     def rollout_metrics(self) -> dict[str, float]:

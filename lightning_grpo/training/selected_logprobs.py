@@ -153,7 +153,7 @@ def _backward(
     labels = labels.long()
     for start in range(0, rows, chunk_rows):
         end = min(start + chunk_rows, rows)
-        p = _scaled(logits[start:end], temperature, out[start:end] if direct else buffer[: end - start])
+        p = _scaled(logits[start:end], temperature, out[start:end] if buffer is None else buffer[: end - start])
         g = grad[start:end, None]
         # autograd's steps for the plain formula (logsumexp's, then gather's, then the division's backward), so the
         # gradient is the plain formula's to the last bit; dividing by 1 changes nothing

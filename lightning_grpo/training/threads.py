@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ..options import GeneratorOptions, TrainerThreads
 
 if TYPE_CHECKING:
     from ..rollout.core_sharing import CoreSharing
 
-TrainerThreads = int | Literal["auto"] | None
-
 log = logging.getLogger(__name__)
+
+
+def runs_on_cpu(trainer: Any) -> bool:
+    """Whether `trainer` (a Lightning `Trainer`) trains on the CPU accelerator."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    return isinstance(trainer.accelerator, CPUAccelerator)
 
 
 def available_cores() -> int:
@@ -29,11 +36,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def is_trainer_threads(option: object) -> bool:
-    """Whether `option` is a valid `trainer_threads`: a positive number of threads, `"auto"` or None."""
-    return option is None or option == "auto" or (isinstance(option, int) and option >= 1)
 
 
 def trainer_threads_for(
@@ -47,9 +49,10 @@ def trainer_threads_for(
 ) -> int | None:
     """The torch threads the trainer should train with, or None to leave torch's setting alone.
 
-    `option` (valid, see `is_trainer_threads`): a number is used as given; None leaves torch alone; `"auto"` applies only where the trainer and the
-    embedded generator share one machine's CPU (CPU accelerator, one process, `generator_threads` set) and gives the
-    trainer the cores the generator does not use, never more threads than torch has now.
+    `option` (valid, see `lightning_grpo.options.is_trainer_threads`): a number is used as given; None leaves torch
+    alone; `"auto"` applies only where the trainer and the embedded generator share one machine's CPU (CPU
+    accelerator, one process, `generator_threads` set) and gives the trainer the cores the generator does not use,
+    never more threads than torch has now.
     """
     if option is None or option != "auto":
         return option
@@ -100,9 +103,9 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
 class FitThreads:
     """The trainer's torch threads during one fit, and the core sharing with the embedded generator.
 
-    `apply` sets the threads `trainer_threads_for` chooses (once per fit; a later `setup` keeps them), `lend` hooks
-    the policy so that it borrows the generator's idle cores, and `restore` puts the thread count back and removes
-    the hooks.
+    `apply` sets the threads `trainer_threads_for` chooses (once per fit; a later `setup` keeps them),
+    `borrow_generator_cores` hooks the policy so that it borrows the generator's idle cores, and `restore` puts the
+    thread count back and removes the hooks.
     """
 
     def __init__(self) -> None:
@@ -110,21 +113,22 @@ class FitThreads:
         self._before: int | None = None
         self._hooks: list[Any] = []
 
-    def apply(self, hp: Any, *, on_cpu: bool, world_size: int) -> None:
-        """Set the trainer's threads from the data module's options `hp` (`trainer_threads`, `generator`,
-        `generator_threads`, `generator_replicas`: the cores every replica takes)."""
+    def apply(self, generation: GeneratorOptions, *, on_cpu: bool, world_size: int) -> None:
+        """Set the trainer's threads from the data module's `trainer_threads`, `generator`, `generator_threads` and
+        `generator_replicas` (the cores every replica takes)."""
         from ..rollout.core_sharing import CoreSharing
 
         if self._before is not None:  # already set by an earlier `fit` setup
             return
         current = torch.get_num_threads()
-        replicas = hp.generator_replicas
+        replicas = generation.generator_replicas
+        generator_threads = generation.generator_threads
         threads = trainer_threads_for(
-            hp.trainer_threads,
+            generation.trainer_threads,
             current=current,
             on_cpu=on_cpu,
-            embedded_generator=hp.generator == "embedded",
-            generator_threads=hp.generator_threads and hp.generator_threads * replicas,
+            embedded_generator=generation.generator == "embedded",
+            generator_threads=generator_threads and generator_threads * replicas,
             world_size=world_size,
         )
         if threads is None:
@@ -132,17 +136,17 @@ class FitThreads:
         self._before = current
         torch.set_num_threads(threads)
         # A number asked for is used as given, never lent or borrowed; replicas keep their own cores.
-        if hp.trainer_threads == "auto" and replicas == 1:
-            self.core_sharing = CoreSharing(trainer_threads=threads, generator_threads=hp.generator_threads)
+        if generation.trainer_threads == "auto" and replicas == 1 and generator_threads:
+            self.core_sharing = CoreSharing(trainer_threads=threads, generator_threads=generator_threads)
         log.info(
             "Training with %d torch threads (was %d) beside the generator's %s%s.",
             threads,
             current,
-            hp.generator_threads,
+            generator_threads,
             ", each side borrowing the other's while it is idle" if self.core_sharing else "",
         )
 
-    def lend(self, policy: torch.nn.Module) -> None:
+    def borrow_generator_cores(self, policy: torch.nn.Module) -> None:
         """With core sharing, hook `policy` to borrow the generator's idle cores (once)."""
         if self.core_sharing is not None and not self._hooks:
             self._hooks = borrow_idle_cores(policy, self.core_sharing)

@@ -118,12 +118,12 @@ def validation_rollouts(
             scored = [env if ok else None for env, ok in zip(taken, batch.environment_ok, strict=True)]
             results = _run(_gather(_reward(spec, env, guards) for env in scored))
             batch.environment_rewards = dict(
-                zip(environments.reward_names, environments.reward_columns(results), strict=True)
+                zip(environments.reward_names, environments.rewards_per_type(results), strict=True)
             )
     finally:
         policy.set_attn_implementation(previous)
         for name, environment in zip(names, taken, strict=True):
-            if environment is not None:
+            if environments is not None and environment is not None:
                 environments.release(name, environment)
     return batch
 
@@ -196,7 +196,7 @@ def generate(
     return [_cut_at_stop(ids, stops) for ids in turns] if stops else turns
 
 
-def reward_columns(
+def reward_table(
     batch: ValidationRollouts, function_rewards: dict[str, list[float | None]], names: list[str]
 ) -> np.ndarray:
     """`(len(names), len(batch.rows))` rewards in the contract's column order, NaN where not scored; every column is
@@ -211,15 +211,17 @@ def reward_columns(
 
 
 async def _reset(spec: ConversationSpec, row: dict[str, Any], environment: Any, guards: dict) -> tuple[Any, bool]:
-    if environment is None:
+    environments = spec.environments
+    if environments is None or environment is None:
         return None, True
-    return await spec.environments.reset(environment, row, **guards)
+    return await environments.reset(environment, row, **guards)
 
 
 async def _reward(spec: ConversationSpec, environment: Any, guards: dict) -> tuple[type, float | None] | None:
-    if environment is None:
+    environments = spec.environments
+    if environments is None or environment is None:
         return None
-    return await spec.environments.reward(environment, **guards)
+    return await environments.reward(environment, **guards)
 
 
 async def _gather(coroutines: Any) -> list[Any]:

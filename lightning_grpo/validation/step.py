@@ -9,16 +9,17 @@ import torch
 
 from ..data.tooling import ConversationSpec
 from ..models.loading import eos_token_ids
+from ..training.module_options import ValidationOptions
 from ..training.sharding import is_sharded
 from .metrics import ValidationTally
-from .rollouts import Sampling, reward_columns, validation_rollouts
+from .rollouts import Sampling, reward_table, validation_rollouts
 
 
-def start_tally(module: Any) -> ValidationTally:
-    """An empty tally for this epoch, with the contract's reward columns and weights."""
-    contract, hp = module.contract, module.hparams
+def start_tally(module: Any, options: ValidationOptions) -> ValidationTally:
+    """An empty tally for this epoch, with the module's contract's reward columns and weights."""
+    contract = module.contract
     return ValidationTally(
-        contract.reward_names, contract.reward_weights, hp.num_generations_eval, hp.val_pass_threshold
+        contract.reward_names, contract.reward_weights, options.num_generations_eval, options.val_pass_threshold
     )
 
 
@@ -27,20 +28,32 @@ def conversation_of(module: Any) -> ConversationSpec:
     return module.contract.conversation or ConversationSpec(tokenizer=module.contract.tokenizer)
 
 
-def validate_batch(module: Any, batch: list[dict[str, Any]], tally: ValidationTally, attention: str | None) -> None:
-    """Every rank: conversations on this rank's held-out prompts, scored into `tally`.
+def validate_batch(
+    module: Any,
+    batch: list[dict[str, Any]],
+    tally: ValidationTally | None,
+    options: ValidationOptions,
+    attention: str | None,
+) -> None:
+    """Every rank: conversations on this rank's held-out prompts, scored into `tally`, sampled as `options` say, the
+    padded batches with the `attention` implementation (None: `"sdpa"`).
 
     Under a sharded policy every rank runs the same number of forward passes (`fixed_length`, and the number of
     conversations still active agreed over ranks), since each forward is a collective.
+
+    Raises:
+        RuntimeError: no tally (`start_tally` runs when the validation epoch starts).
     """
-    contract, hp = module.contract, module.hparams
+    if tally is None:
+        raise RuntimeError("`validate_batch` scores into the epoch's tally: `start_tally` runs when the epoch starts.")
+    contract = module.contract
     sharded = is_sharded(module.policy, module.trainer.model)
     sampling = Sampling(
-        max_tokens=hp.val_max_tokens or contract.max_completion_length,
-        temperature=hp.val_temperature,
+        max_tokens=options.val_max_tokens or contract.max_completion_length,
+        temperature=options.val_temperature,
         top_p=contract.top_p,
         top_k=contract.top_k,
-        attention=attention,
+        attention=attention or "sdpa",
         fixed_length=sharded,
         stop=contract.stop,
     )
@@ -49,13 +62,13 @@ def validate_batch(module: Any, batch: list[dict[str, Any]], tally: ValidationTa
         batch,
         conversation_of(module),
         sampling,
-        num_generations=hp.num_generations_eval,
+        num_generations=options.num_generations_eval,
         eos_token_ids=eos_token_ids(contract.tokenizer, module.policy),
         sync_active=(lambda active: _most_over_ranks(active, module.device)) if sharded else None,
     )
     scored = module.trainer.datamodule.score_completions(rollouts.completions, rollouts.rows)
-    columns = reward_columns(rollouts, scored, list(contract.reward_names))
-    k = hp.num_generations_eval
+    columns = reward_table(rollouts, scored, list(contract.reward_names))
+    k = options.num_generations_eval
     for start in range(0, columns.shape[1], k):
         tally.add_prompt(columns[:, start : start + k])
     for conversation in rollouts.conversations:

@@ -2,5 +2,6 @@
 version; the full parameters it streams (`parameters`); the backends (`shared_memory` for the embedded generator,
 `vllm_http` for a vLLM server without NCCL, TRL's NCCL client) and the one factory (`factory`).
 
-The generator's side of the shared-memory transfer runs in the rollout process, so nothing here imports Lightning.
+The trainer's side only: the generator's side of the shared-memory transfer runs in the rollout child and lives in
+`lightning_grpo.rollout.weight_receiver`.
 """

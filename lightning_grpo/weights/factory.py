@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch
 
 from .._trl import nccl_weight_transfer_client
-from ..rollout.vllm_servers import server_stale_after_s, server_urls
+from ..options import DataModuleOptions, Generator, VLLMTransfer
+from ..serving.server_urls import server_stale_after_s, server_urls
 from .parameters import ChangedScope, generator_manifest
 
-Generator = Literal["embedded", "vllm"]
-VLLMTransfer = Literal["auto", "http", "nccl", "lora"]
-VLLM_TRANSFERS = ("auto", "http", "nccl", "lora")
+VLLM_TRANSFERS: tuple[VLLMTransfer, ...] = get_args(VLLMTransfer)
 
 
 def make_weight_transfer(
@@ -34,7 +33,7 @@ def make_weight_transfer(
 
     - `"http"`: `VLLMHTTPWeightTransfer` writes safetensors to `/dev/shm` and has the server reload them through its
       development endpoints. It needs no GPU and no vllm in this environment, only a server on this machine started
-      by `python -m lightning_grpo.serving.vllm_server` (or with its worker extension and `VLLM_SERVER_DEV_MODE=1`).
+      by `python -m lightning_grpo.serving.vllm_launcher` (or with its worker extension and `VLLM_SERVER_DEV_MODE=1`).
     - `"nccl"`: TRL's `WeightTransferClient`, which streams the weights over NCCL into a server started with
       `VLLM_SERVER_DEV_MODE=1` and `--weight-transfer-config '{"backend":"nccl"}'`. Its manifest is TRL's
       (`uses_trainable_only` is then True: `WeightSync` must stream the same parameters). It needs vllm installed
@@ -67,7 +66,11 @@ def make_weight_transfer(
         ImportError: "nccl" without vllm installed.
     """
     kind = transfer_kind(generator, vllm_transfer)
-    urls = server_urls(vllm_server_url) if kind != "shared_memory" else ()
+    if kind == "shared_memory":
+        from .shared_memory import SharedMemoryWeightTransfer
+
+        return SharedMemoryWeightTransfer(model)
+    urls = server_urls(vllm_server_url)
     if len(urls) > 1:
         from .vllm_fanout import fan_out
 
@@ -75,25 +78,21 @@ def make_weight_transfer(
             kind, urls, model, server_timeout=vllm_server_timeout, request_timeout=request_timeout,
             max_staleness=max_staleness, failover=vllm_failover,
         )  # fmt: skip
-    vllm_server_url = urls[0] if urls else vllm_server_url
-    if kind == "shared_memory":
-        from .shared_memory import SharedMemoryWeightTransfer
-
-        return SharedMemoryWeightTransfer(model)
+    url = urls[0]
     if kind == "http":
         from .vllm_http import VLLMHTTPWeightTransfer
 
         return VLLMHTTPWeightTransfer(
-            vllm_server_url, model=model, server_timeout=vllm_server_timeout, request_timeout=request_timeout
+            url, model=model, server_timeout=vllm_server_timeout, request_timeout=request_timeout
         )
     if kind == "vllm_lora":
         from .vllm_lora import VLLMLoRAWeightTransfer
 
         return VLLMLoRAWeightTransfer(
-            vllm_server_url, model=model, max_staleness=max_staleness, server_timeout=vllm_server_timeout,
+            url, model=model, max_staleness=max_staleness, server_timeout=vllm_server_timeout,
             request_timeout=request_timeout,
         )  # fmt: skip
-    return nccl_weight_transfer_client(vllm_server_url, vllm_server_timeout, nccl_manifest(model), weight_sync_timeout)
+    return nccl_weight_transfer_client(url, vllm_server_timeout, nccl_manifest(model), weight_sync_timeout)
 
 
 def transfer_kind(generator: Generator, vllm_transfer: VLLMTransfer = "auto") -> str:
@@ -134,7 +133,8 @@ def changed_scope(kind: str) -> ChangedScope | None:
     """How a backend of `kind` takes partial pushes after the first one: `"tensors"` (shared memory: exactly the
     tensors that changed), `"modules"` (vLLM over HTTP: whole fused layers), or None (every push is whole: TRL's NCCL
     manifest is fixed, and an adapter push has nothing to leave out)."""
-    return {"shared_memory": "tensors", "http": "modules"}.get(kind)
+    scopes: dict[str, ChangedScope] = {"shared_memory": "tensors", "http": "modules"}
+    return scopes.get(kind)
 
 
 def nccl_manifest(model: torch.nn.Module) -> dict[str, list]:
@@ -148,25 +148,27 @@ def nccl_manifest(model: torch.nn.Module) -> dict[str, list]:
     return {"names": names, "dtype_names": dtype_names, "shapes": shapes}
 
 
-def build_weight_sync(hp: Any, weight_transfer: Any, *, is_global_zero: bool) -> Any:
-    """The data module's `WeightSync`: on rank 0 with `weight_transfer` (yours) or the backend that `hp.generator` and
-    `hp.vllm_transfer` name; elsewhere with none (only rank 0 talks to the generator)."""
+def build_weight_sync(options: DataModuleOptions, weight_transfer: Any, *, is_global_zero: bool) -> Any:
+    """The data module's `WeightSync`: on rank 0 with `weight_transfer` (yours) or the backend that `generator` and
+    `vllm_transfer` name; elsewhere with none (only rank 0 talks to the generator)."""
     import functools
 
     from .sync import WeightSync
 
-    kind = transfer_kind(hp.generator, hp.vllm_transfer)
+    generator, vllm = options.generation.generator, options.vllm
+    kind = transfer_kind(generator, vllm.vllm_transfer)
     transfer = None
     if is_global_zero:
         transfer = weight_transfer or functools.partial(
             make_weight_transfer,
-            hp.generator,
-            vllm_server_url=hp.vllm_server_url,
-            vllm_transfer=hp.vllm_transfer,
-            max_staleness=hp.max_staleness,
-            vllm_server_timeout=hp.get("vllm_server_timeout", 240.0),
-            request_timeout=server_stale_after_s(hp),  # a server that stops answering fails within the heartbeat limit
-            vllm_failover=hp.get("vllm_failover", False),
+            generator,
+            vllm_server_url=vllm.vllm_server_url,
+            vllm_transfer=vllm.vllm_transfer,
+            max_staleness=options.steps.max_staleness,
+            vllm_server_timeout=vllm.vllm_server_timeout,
+            # a server that stops answering fails within the heartbeat limit
+            request_timeout=server_stale_after_s(options.generation),
+            vllm_failover=vllm.vllm_failover,
         )
     return WeightSync(
         transfer,

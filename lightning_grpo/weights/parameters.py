@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 
 from .._trl import iter_vllm_named_params
-from ..training.policy import is_peft_model
+from ..models.lora import is_peft_model
 from .adapters import lora_layers, merged_tensor
 
 # Wrapper prefixes that are not part of a checkpoint name: DDP, FSDP1 and activation checkpointing.

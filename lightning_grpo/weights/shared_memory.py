@@ -1,19 +1,19 @@
-"""Weight sync to the embedded generator through shared memory: the trainer's side and the generator's side.
+"""Weight sync to the embedded generator through shared memory: the trainer's side.
 
-`SharedMemoryWeightTransfer` is the trainer side and implements TRL's `WeightTransferProtocol`
-(`init_weight_transfer`, `pause`, `send_weights`, `resume`, `destroy`). It allocates one shared-memory block once,
-sized from the model's parameters: a 64-byte header (sequence number, version, a valid flag), a table of the sequence
-number each tensor was last written under, then every tensor at a 64-byte aligned offset. A partial send (after a
-full one) writes only the tensors that changed, and the generator copies only the tensors written since its last
-copy. `SharedMemoryWeightReceiver` is the generator side: a small picklable object (the block's
-name, the lock file's path and the manifest) that the embedded generator polls between generate batches.
+`SharedMemoryWeightTransfer` implements TRL's `WeightTransferProtocol` (`init_weight_transfer`, `pause`,
+`send_weights`, `resume`, `destroy`). It allocates one shared-memory block once, sized from the model's parameters: a
+64-byte header (sequence number, version, a valid flag), a table of the sequence number each tensor was last written
+under, then every tensor at a 64-byte aligned offset (the format of `lightning_grpo.rollout.weight_receiver`). A
+partial send (after a full one) writes only the tensors that changed, and the generator copies only the tensors
+written since its last copy. The generator's side, `SharedMemoryWeightReceiver` (`transfer.receiver()`), lives in
+`rollout/`, since the rollout child imports it: a small picklable object (the block's name, the lock file's path and
+the manifest) that the embedded generator polls between decode steps.
 
 A sync is `pause()` (take the lock, waiting for a copy in progress to finish), `send_weights(named_tensors,
 version)` (memcpy into the block), `resume()` (publish: bump the sequence number, set the version, release the
 lock). Before its next decode step the generator sees the new sequence number, copies the block into its model under
 the lock and samples every next token with it; each completion is tagged with the oldest version that sampled any of
-its tokens. Both copies are one-thread
-memcpys, or casting copies where dtypes differ.
+its tokens. Both copies are one-thread memcpys, or casting copies where dtypes differ.
 
 The lock is an `flock` on the block's file (`/dev/shm/<name>` on Linux; elsewhere a small file in the temp folder),
 not a multiprocessing lock, for two reasons: the receiver then pickles anywhere (cloudpickle, `pickle.dumps`
@@ -28,151 +28,34 @@ rollout child it spawned) has exited; on Linux nothing is left, elsewhere an emp
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import logging
 import os
 import secrets
-import sys
 import tempfile
-import time
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
 from multiprocessing import shared_memory
-from typing import Any
 
 import torch
 
+from ..models.lora import is_peft_model
+from ..rollout.weight_receiver import (
+    H_MAGIC,
+    H_SEQ,
+    H_VALID,
+    H_VERSION,
+    MAGIC,
+    Block,
+    SharedMemoryWeightReceiver,
+    build_manifest,
+    copy_into,
+    try_flock,
+)
+
 log = logging.getLogger(__name__)
 
-_HEADER_BYTES = 64
 _SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory
-_ALIGN = 64
-_MAGIC = 0x4C47_5250_4F57_5431  # marks a block written by this module
-# header slots (int64)
-_H_MAGIC, _H_SEQ, _H_VERSION, _H_VALID = 0, 1, 2, 3
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """Where one tensor lives in the shared block."""
-
-    name: str  # parameter name, as in `model.named_parameters()`
-    shape: tuple[int, ...]
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
-    offset: int  # byte offset from the start of the block
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def numel(self) -> int:
-        return int(torch.Size(self.shape).numel())
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.torch_dtype.itemsize
-
-
-@dataclass(frozen=True, slots=True)
-class _Manifest:
-    specs: tuple[TensorSpec, ...]
-    aliases: dict[str, str]  # tied name -> the name whose tensor it shares (sent once, under that name)
-    size: int  # bytes of the whole block, header included
-
-
-def _table_bytes(count: int) -> int:
-    """Bytes of the written-at table (one int64 per tensor), rounded up to the alignment."""
-    return -(-count * 8 // _ALIGN) * _ALIGN
-
-
-def _build_manifest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> _Manifest:
-    named_tensors = list(named_tensors)
-    specs: list[TensorSpec] = []
-    aliases: dict[str, str] = {}
-    owner_of: dict[int, str] = {}
-    names: set[str] = set()
-    keep_alive = []  # so that id() of a temporary cannot be reused by the next tensor
-    offset = _HEADER_BYTES + _table_bytes(len(named_tensors))  # the table has room for every name, tied ones too
-    for name, tensor in named_tensors:
-        keep_alive.append(tensor)
-        if name in names:
-            raise ValueError(f"`SharedMemoryWeightTransfer` got the tensor name {name!r} twice. Names must be unique.")
-        names.add(name)
-        if id(tensor) in owner_of:
-            aliases[name] = owner_of[id(tensor)]
-            continue
-        owner_of[id(tensor)] = name
-        spec = TensorSpec(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), offset)
-        specs.append(spec)
-        offset += -(-spec.nbytes // _ALIGN) * _ALIGN
-    if not specs:
-        raise ValueError("`SharedMemoryWeightTransfer` got no tensors. Pass the model whose weights you will send.")
-    return _Manifest(tuple(specs), aliases, offset)
-
-
-class _Block:
-    """An open shared-memory block with tensor views over its header and its tensors."""
-
-    def __init__(self, shm: shared_memory.SharedMemory, manifest: _Manifest) -> None:
-        self.shm = shm
-        self.header = torch.frombuffer(shm.buf, dtype=torch.int64, count=_HEADER_BYTES // 8)
-        # written_at[i]: the sequence number under which specs[i] was last written (0: never)
-        self.written_at = torch.frombuffer(shm.buf, dtype=torch.int64, count=len(manifest.specs), offset=_HEADER_BYTES)
-        self.views = {spec.name: _view(shm, spec) for spec in manifest.specs}
-        self.index = {spec.name: i for i, spec in enumerate(manifest.specs)}
-
-    def close(self) -> None:
-        # Views export the mmap's buffer; they must go before the mmap can close.
-        self.header = None
-        self.written_at = None
-        self.views = {}
-        try:
-            self.shm.close()
-        except BufferError:
-            log.warning("Shared-memory block %s is still referenced; it is unmapped at exit.", self.shm.name)
-
-
-def _view(shm: shared_memory.SharedMemory, spec: TensorSpec) -> torch.Tensor:
-    if spec.numel == 0:
-        return torch.empty(spec.shape, dtype=spec.torch_dtype)
-    flat = torch.frombuffer(shm.buf, dtype=spec.torch_dtype, count=spec.numel, offset=spec.offset)
-    return flat.view(spec.shape)
-
-
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """`dst[...] = src`: a one-thread memcpy when the layouts match, else a (casting, cross-device) `copy_`.
-
-    torch's multi-threaded copy is no faster (memory-bound) and stalls when the cores are busy, which they are while
-    a trainer and a generator share them.
-    """
-    plain = (torch.Tensor, torch.nn.Parameter)  # not a DTensor: its data_ptr is the local shard's
-    if (
-        type(src) in plain
-        and src.device.type == "cpu"
-        and src.dtype == dst.dtype
-        and src.is_contiguous()
-        and dst.is_contiguous()
-    ):
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.nbytes)  # releases the GIL
-    else:
-        with torch.no_grad():
-            dst.copy_(src)
-
-
-def _flock(fd: int, mode: int, timeout_s: float | None) -> bool:
-    """Take an flock; `timeout_s=None` tries once. Returns whether it was taken."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if deadline is None or time.monotonic() >= deadline:
-                return False
-            time.sleep(0.001)
 
 
 def _lock_file(block_name: str) -> str:
@@ -183,7 +66,7 @@ def _lock_file(block_name: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"{block_name}.lock")
 
 
-def _release(block: _Block, lock_fd: int, lock_path: str) -> None:
+def _release(block: Block, lock_fd: int, lock_path: str) -> None:
     """Unmap and unlink the block and the lock file; safe to call twice (it is also the finalizer)."""
     block.close()
     with contextlib.suppress(FileNotFoundError):
@@ -197,8 +80,6 @@ def _release(block: _Block, lock_fd: int, lock_path: str) -> None:
 def _module_manifest(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """A model's tensors as the generator holds them: a LoRA (PEFT) policy's base parameters under their base names
     (it receives merged weights), any other model's parameters with tied names kept as aliases."""
-    from ..training.policy import is_peft_model
-
     if is_peft_model(model):
         from .parameters import generator_manifest
 
@@ -247,14 +128,14 @@ class SharedMemoryWeightTransfer:
         named = model_or_named_tensors
         if isinstance(named, torch.nn.Module):
             named = _module_manifest(named)
-        self._manifest = _build_manifest(named)
+        self._manifest = build_manifest(named)
         self._lock_timeout_s = lock_timeout_s
         block_name = f"lgrpo_{os.getpid()}_{secrets.token_hex(4)}"  # macOS caps shm names at 31 characters
         shm = shared_memory.SharedMemory(name=block_name, create=True, size=self._manifest.size)
         self._lock_path = _lock_file(block_name)
         self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        self._block = _Block(shm, self._manifest)
-        self._block.header[_H_MAGIC] = _MAGIC
+        self._block = Block(shm, self._manifest)
+        self._block.header[H_MAGIC] = MAGIC
         self._finalizer = weakref.finalize(self, _release, self._block, self._lock_fd, self._lock_path)
         self._paused = False
         self._pending_version: int | None = None
@@ -299,7 +180,7 @@ class SharedMemoryWeightTransfer:
         self._check_open("pause")
         if self._paused:
             return
-        if not _flock(self._lock_fd, fcntl.LOCK_EX, self._lock_timeout_s):
+        if not try_flock(self._lock_fd, fcntl.LOCK_EX, self._lock_timeout_s):
             raise TimeoutError(
                 f"`SharedMemoryWeightTransfer.pause()` waited {self._lock_timeout_s} s for the generator to finish "
                 f"copying weights (lock file {self._lock_path}). Check that the rollout child is not stopped, or "
@@ -342,7 +223,7 @@ class SharedMemoryWeightTransfer:
         self.pause()
         self._pending_version = None
         self._send_failed = True  # until every tensor is written
-        self._block.header[_H_VALID] = 0
+        self._block.header[H_VALID] = 0
         written = self._write(iterator)
         missing = [spec.name for spec in self._manifest.specs if spec.name not in written]
         if missing and not partial:
@@ -351,14 +232,14 @@ class SharedMemoryWeightTransfer:
                 f"{len(self._manifest.specs)} missing). Send every tensor of the model the transfer was built from "
                 "(frozen ones too): the generator may have no other copy of them."
             )
-        self._block.header[_H_VALID] = 1
+        self._block.header[H_VALID] = 1
         self._pending_version = version
         self._send_failed = False
 
     def _write(self, iterator: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         written = set()
         block, aliases = self._block, self._manifest.aliases
-        views, sequence = block.views, int(block.header[_H_SEQ]) + 1  # the number the next publish takes
+        views, sequence = block.views, int(block.header[H_SEQ]) + 1  # the number the next publish takes
         for name, tensor in iterator:
             if name in aliases:
                 continue  # shares storage with aliases[name], which the send carries
@@ -374,7 +255,7 @@ class SharedMemoryWeightTransfer:
                     f"`SharedMemoryWeightTransfer.send_weights` got tensor {name!r} with shape {tuple(tensor.shape)}, "
                     f"but the manifest says {tuple(view.shape)}. Send full (unsharded) tensors of the same model."
                 )
-            _copy_into(view, tensor.detach())
+            copy_into(view, tensor.detach())
             block.written_at[block.index[name]] = sequence
             written.add(name)
         return written
@@ -386,8 +267,8 @@ class SharedMemoryWeightTransfer:
             return
         if self._pending_version is not None:
             header = self._block.header
-            header[_H_VERSION] = self._pending_version
-            header[_H_SEQ] += 1
+            header[H_VERSION] = self._pending_version
+            header[H_SEQ] += 1
             self._version = self._pending_version
             self._pending_version = None
             self._complete = True
@@ -417,117 +298,3 @@ class SharedMemoryWeightTransfer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.destroy()
-
-
-class SharedMemoryWeightReceiver:
-    """Generator side of `SharedMemoryWeightTransfer`: copies each published sync into the generator's model.
-
-    It pickles as three small values (block name, lock path, manifest) and attaches to the block on first use, so
-    it can travel to a spawned child in any way. One receiver serves one model; `EmbeddedGenerator` polls it before
-    each generate batch. It must be used in a process that the trainer started with `multiprocessing` (or in the
-    trainer's own process): on Python < 3.13 attaching registers the block with the resource tracker, which the
-    spawned child shares with the trainer.
-    """
-
-    def __init__(self, block_name: str, lock_path: str, manifest: _Manifest) -> None:
-        self.block_name = block_name
-        self.lock_path = lock_path
-        self._manifest = manifest
-        self._block: _Block | None = None
-        self._lock_fd: int | None = None
-        self._applied_seq = 0
-        self._targets: tuple[int, list[tuple[int, torch.Tensor, torch.Tensor]]] | None = None
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.block_name, self.lock_path, self._manifest))
-
-    def has_update(self) -> bool:
-        """Whether a sync was published that this receiver has not applied yet (it may still be locked)."""
-        return int(self._attach().header[_H_SEQ]) != self._applied_seq
-
-    def poll(self, model: torch.nn.Module) -> int | None:
-        """Copy the newest published weights into `model` if there are new ones and the trainer is not writing.
-
-        Never waits for the trainer: when it holds the lock the copy is left for the next poll.
-
-        Returns:
-            The version of the weights now in `model`, or None when nothing was copied.
-
-        Raises:
-            ValueError: `model` lacks a tensor of the manifest or has it in another shape (each named).
-            RuntimeError: the trainer's block no longer exists.
-        """
-        block = self._attach()
-        if int(block.header[_H_SEQ]) == self._applied_seq:
-            return None
-        if not _flock(self._lock_fd, fcntl.LOCK_SH, None):
-            return None
-        try:
-            seq, version, valid = (int(block.header[i]) for i in (_H_SEQ, _H_VERSION, _H_VALID))
-            if seq == self._applied_seq or not valid:
-                return None
-            written_at = block.written_at.tolist()
-            for index, param, view in self._pairs(model):
-                if written_at[index] > self._applied_seq:  # written since this receiver's last copy
-                    _copy_into(param.data, view)
-            self._applied_seq = seq
-            return version
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        """Unmap the block and close the lock file in this process (the trainer unlinks them)."""
-        self._targets = None
-        if self._block is not None:
-            self._block.close()
-            self._block = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
-    def _attach(self) -> _Block:
-        if self._block is not None:
-            return self._block
-        kwargs = {"track": False} if sys.version_info >= (3, 13) else {}
-        lock_fd = None
-        try:
-            lock_fd = os.open(self.lock_path, os.O_RDWR)
-            shm = shared_memory.SharedMemory(name=self.block_name, **kwargs)
-        except FileNotFoundError as error:
-            if lock_fd is not None:
-                os.close(lock_fd)
-            raise RuntimeError(
-                f"The weight receiver cannot find shared-memory block {self.block_name!r} or its lock file "
-                f"{self.lock_path!r}: the trainer's `SharedMemoryWeightTransfer` was destroyed, or runs on another "
-                "machine. Create the receiver with `transfer.receiver()` while the transfer is alive."
-            ) from error
-        self._lock_fd = lock_fd
-        block = _Block(shm, self._manifest)
-        if int(block.header[_H_MAGIC]) != _MAGIC:
-            block.close()
-            raise RuntimeError(
-                f"Shared-memory block {self.block_name!r} was not written by SharedMemoryWeightTransfer."
-            )
-        self._block = block
-        return block
-
-    def _pairs(self, model: torch.nn.Module) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        if self._targets is not None and self._targets[0] == id(model):
-            return self._targets[1]
-        params = dict(model.named_parameters(remove_duplicate=False))
-        pairs, problems = [], []
-        for index, spec in enumerate(self._manifest.specs):
-            param = params.get(spec.name)
-            if param is None:
-                problems.append(f"{spec.name!r} is missing")
-            elif tuple(param.shape) != spec.shape:
-                problems.append(f"{spec.name!r} has shape {tuple(param.shape)}, the trainer sends {spec.shape}")
-            else:
-                pairs.append((index, param, self._block.views[spec.name]))
-        if problems:
-            raise ValueError(
-                f"The generator's model does not match the weights the trainer sends: {'; '.join(problems[:4])}"
-                f"{' ...' if len(problems) > 4 else ''}. Build it from the trainer's config (`PolicySpec.from_model`)."
-            )
-        self._targets = (id(model), pairs)
-        return pairs

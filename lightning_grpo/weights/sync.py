@@ -148,7 +148,7 @@ class WeightSync:
             stream = self._stream(policy, partial)
             try:
                 if self.transfer is not None:
-                    self._send(self._counted(stream), version, partial)
+                    self._send(self.transfer, self._counted(stream), version, partial)
             finally:
                 for _ in stream:  # gathers the sender did not reach (other ranks, or a failed send) still happen
                     pass
@@ -165,7 +165,7 @@ class WeightSync:
 
             return adapter_tensors(policy)
         names = None
-        if partial:
+        if partial and self.changed_only is not None:
             names = changed_names(policy, trainable_only=self.trainable_only, scope=self.changed_only)
         return generator_parameters(policy, trainable_only=self.trainable_only, names=names)
 
@@ -175,8 +175,9 @@ class WeightSync:
             self.last_push_bytes += tensor.numel() * tensor.element_size()
             yield name, tensor
 
-    def _send(self, stream: Iterable[tuple[str, torch.Tensor]], version: int, partial: bool) -> None:
-        transfer = self.transfer
+    def _send(
+        self, transfer: WeightTransfer, stream: Iterator[tuple[str, torch.Tensor]], version: int, partial: bool
+    ) -> None:
         if not self._initialised:
             transfer.init_weight_transfer()
             self._initialised = True

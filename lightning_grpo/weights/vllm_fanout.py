@@ -151,17 +151,26 @@ def fan_out(
     Raises:
         ValueError: `kind` is `"nccl"` (say why and what to do instead).
     """
-    timeouts = {"server_timeout": server_timeout, "request_timeout": request_timeout}
     if kind == "http":
         from .vllm_http import VLLMHTTPWeightTransfer
 
-        transfers = [VLLMHTTPWeightTransfer(url, model=model, **timeouts) for url in urls]
+        transfers = [
+            VLLMHTTPWeightTransfer(url, model=model, server_timeout=server_timeout, request_timeout=request_timeout)
+            for url in urls
+        ]
     elif kind == "vllm_lora":
         from .vllm_lora import VLLMLoRAWeightTransfer
 
         name = f"lgrpo-lora-{os.getpid()}-{secrets.token_hex(3)}"  # one name: the loop requests it on every server
         transfers = [
-            VLLMLoRAWeightTransfer(url, model=model, max_staleness=max_staleness, lora_name=name, **timeouts)
+            VLLMLoRAWeightTransfer(
+                url,
+                model=model,
+                max_staleness=max_staleness,
+                lora_name=name,
+                server_timeout=server_timeout,
+                request_timeout=request_timeout,
+            )
             for url in urls
         ]
     else:

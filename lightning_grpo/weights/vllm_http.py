@@ -12,7 +12,7 @@ through its development endpoints:
     remove the previous folder
 
 The server must be on this machine (or see `shm_dir` at the same path), run with `VLLM_SERVER_DEV_MODE=1`, and load
-the worker extension; `VLLMServer` (`serving/vllm_server.py`) starts it that way.
+the worker extension; `VLLMServer` (`serving/vllm_launcher.py`) starts it that way.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class VLLMHTTPWeightTransfer:
                 f"The vLLM server at {self.server_url} does not load lightning_grpo's worker extension, and the "
                 "policy's output layer is (or may be) tied to its embeddings: vLLM's CPU backend would keep sampling "
                 "with the old output layer after a reload. Start the server with "
-                "`python -m lightning_grpo.serving.vllm_server` (or pass "
+                "`python -m lightning_grpo.serving.vllm_launcher` (or pass "
                 "`--worker-extension-cls lightning_grpo_vllm_ext.TiedHeadReloadExtension` with "
                 "lightning_grpo/serving/vllm_worker_ext.py copied as lightning_grpo_vllm_ext.py onto its PYTHONPATH)."
             )
@@ -199,7 +199,8 @@ class VLLMHTTPWeightTransfer:
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"{type(self).__name__}(server_url={self.server_url!r}): no vLLM server answered /health within "
-                    f"server_timeout={self.server_timeout} s. Start one with `python -m lightning_grpo.serving.vllm_server`."
+                    f"server_timeout={self.server_timeout} s. Start one with "
+                    "`python -m lightning_grpo.serving.vllm_launcher`."
                 )
             time.sleep(0.5)
 
@@ -215,7 +216,7 @@ class VLLMHTTPWeightTransfer:
         if response.status_code == 404:
             raise RuntimeError(
                 f"The vLLM server at {self.server_url} has no /collective_rpc endpoint: start it with "
-                "VLLM_SERVER_DEV_MODE=1 (`python -m lightning_grpo.serving.vllm_server` does)."
+                "VLLM_SERVER_DEV_MODE=1 (`python -m lightning_grpo.serving.vllm_launcher` does)."
             )
         return response.status_code == 200
 

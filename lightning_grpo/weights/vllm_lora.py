@@ -73,7 +73,7 @@ class VLLMLoRAWeightTransfer(VLLMHTTPWeightTransfer):
         server_timeout: float = 240.0,
         request_timeout: float = 600.0,
     ) -> None:
-        from ..training.policy import is_peft_model
+        from ..models.lora import is_peft_model
 
         if not is_peft_model(model):
             raise ValueError(
@@ -110,7 +110,7 @@ class VLLMLoRAWeightTransfer(VLLMHTTPWeightTransfer):
         if response.status_code != 200:
             raise RuntimeError(
                 f"VLLMLoRAWeightTransfer: GET {self.server_url}/server_info answered {response.status_code}; start "
-                "the server with VLLM_SERVER_DEV_MODE=1 (`python -m lightning_grpo.serving.vllm_server` does)."
+                "the server with VLLM_SERVER_DEV_MODE=1 (`python -m lightning_grpo.serving.vllm_launcher` does)."
             )
         try:
             servable = select_adapter_sync(response.json()["vllm_config"], self.policy, self.max_staleness)
@@ -121,21 +121,25 @@ class VLLMLoRAWeightTransfer(VLLMHTTPWeightTransfer):
             raise RuntimeError(
                 f"The vLLM server at {self.server_url} cannot load LoRA adapters at run time. Restart it with "
                 f"`--enable-lora --max-lora-rank {rank} --max-loras {self.max_staleness + 2}` and "
-                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (`python -m lightning_grpo.serving.vllm_server --max-lora-rank "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (`python -m lightning_grpo.serving.vllm_launcher --max-lora-rank "
                 f"{rank}` does), or push merged weights with vllm_transfer='http'."
             )
         self._ready = True
 
-    def send_weights(self, iterator: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+    def send_weights(
+        self, iterator: Iterable[tuple[str, torch.Tensor]], version: int | None = None, *, partial: bool = False
+    ) -> None:
         """Write the adapter `(name, tensor)` pairs (PEFT's saved names) to a new folder and load it on the server as
-        `served_name(version)`; call between `pause()` and `resume()`.
+        `served_name(version)`; call between `pause()` and `resume()`. An adapter is always sent whole.
 
         Raises:
-            ValueError: no tensors.
+            ValueError: no tensors, or `partial` (an adapter push has nothing to leave out).
             RuntimeError: the server refused the adapter (its answer is in the message).
         """
         from safetensors.torch import save_file
 
+        if partial:
+            raise ValueError("`VLLMLoRAWeightTransfer` sends the whole adapter each time: leave `changed_only` unset.")
         tensors = _unique_tensors(iterator)
         if not tensors:
             raise ValueError("`VLLMLoRAWeightTransfer.send_weights` got no tensors. Pass the adapter's tensors.")

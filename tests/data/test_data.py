@@ -7,13 +7,9 @@ import json
 import pytest
 from datasets import Dataset
 
-from lightning_grpo.data.sources import (
-    arithmetic_dataset,
-    check_columns,
-    check_reward_columns,
-    load_prompts,
-    reward_columns,
-)
+from lightning_grpo.data.arithmetic import arithmetic_dataset
+from lightning_grpo.data.columns import check_columns, check_columns_for_rewards, columns_needed_by
+from lightning_grpo.data.sources import load_prompts
 
 
 def test_arithmetic_is_reproducible_and_answers_are_right():
@@ -98,13 +94,13 @@ def test_the_columns_a_reward_needs_are_its_named_parameters_without_defaults():
     def needs_two(completions, prompts, answer, task, completion_ids=None, **kwargs):
         return [0.0] * len(completions)
 
-    assert reward_columns(accuracy) == {"answer"} and reward_columns(boxed_format) == set()
-    assert reward_columns(needs_two) == {"answer", "task"}
-    assert reward_columns(functools.partial(needs_two, task="add")) == {"answer"}
+    assert columns_needed_by(accuracy) == {"answer"} and columns_needed_by(boxed_format) == set()
+    assert columns_needed_by(needs_two) == {"answer", "task"}
+    assert columns_needed_by(functools.partial(needs_two, task="add")) == {"answer"}
     named = functools.update_wrapper(functools.partial(needs_two, task="add"), needs_two)  # a name for the metrics
-    assert reward_columns(named) == {"answer"}  # the partial's signature, not the function it wraps
-    assert reward_columns(Judge()) == {"rubric"}
-    assert reward_columns(print) == set()  # a builtin: no named parameter without a default
+    assert columns_needed_by(named) == {"answer"}  # the partial's signature, not the function it wraps
+    assert columns_needed_by(Judge()) == {"rubric"}
+    assert columns_needed_by(print) == set()  # a builtin: no named parameter without a default
 
 
 def test_a_dataset_without_a_column_a_reward_needs_names_both():
@@ -114,8 +110,8 @@ def test_a_dataset_without_a_column_a_reward_needs_names_both():
     with pytest.raises(
         ValueError, match=r"my data: reward 'accuracy' needs column\(s\) \['answer'\].*\['prompt', 'solution'\]"
     ):
-        check_reward_columns(prompts, [accuracy], source="my data")
-    check_reward_columns(prompts.rename_column("solution", "answer"), [accuracy], source="my data")
+        check_columns_for_rewards(prompts, [accuracy], source="my data")
+    check_columns_for_rewards(prompts.rename_column("solution", "answer"), [accuracy], source="my data")
 
 
 def test_templated_held_out_prompts_and_the_stop_strings_reach_validation():

@@ -10,8 +10,9 @@ from helpers.fit_rewards import char_sum_reward
 from helpers.processes import live_children
 from helpers.tiny import cpu_trainer
 
+from lightning_grpo.data.number_guess import number_guess_dataset
 from lightning_grpo.datamodule import GRPODataModule
-from lightning_grpo.environments.number_guess import NumberGuessEnv, demonstration, number_guess_dataset, solved
+from lightning_grpo.environments.number_guess import NumberGuessEnv, demonstration, solved
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.sft.demonstrations import render_rows
 

@@ -208,7 +208,7 @@ def run_score_step_rank(rank: int, world_size: int, workdir: str) -> None:
 
     import torch.distributed as dist
 
-    from lightning_grpo.scoring.scorers import RewardModelScorer
+    from lightning_grpo.scoring.builtin_scorers import RewardModelScorer
     from lightning_grpo.scoring.step import score_step
 
     torch.set_num_threads(1)

@@ -199,7 +199,7 @@ def test_a_duplicate_group_is_planned_once():
 
 def test_group_too_big_for_an_empty_step_is_dropped_as_oversize_and_accounted_for():
     metrics: dict[str, list] = {}
-    progress = RolloutProgress(epochs_done=3, stall_groups=3)
+    progress = RolloutProgress(total_groups=3, stall_groups=3)
     groups = [make_group(0, size=2), make_group(1, size=6), make_group(2, size=2)]
     planner = StepPlanner(
         groups, num_processes=1, steps=1, token_budget=0, samples_per_row=4, progress=progress, metrics=metrics
@@ -288,7 +288,7 @@ def test_stop_from_the_source_emits_the_partial_step_then_reraises():
 @pytest.mark.timeout(30)
 def test_last_groups_are_emitted_without_waiting_for_groups_that_never_come():
     """The step is far from full, but the run has no other group left: waiting would deadlock the last step."""
-    progress = RolloutProgress(epochs_done=3, stall_groups=3)
+    progress = RolloutProgress(total_groups=3, stall_groups=3)
     q = queue_of([make_group(g) for g in range(3)])
     planner = StepPlanner(
         GroupedQueue(q, poll_interval_s=0.01),
@@ -312,7 +312,7 @@ def test_last_groups_are_emitted_without_waiting_for_groups_that_never_come():
 
 @pytest.mark.timeout(30)
 def test_planner_waits_for_more_groups_while_the_run_expects_them():
-    progress = RolloutProgress(epochs_done=4, stall_groups=4)
+    progress = RolloutProgress(total_groups=4, stall_groups=4)
     q: queue.Queue = queue.Queue()
     planner = StepPlanner(
         GroupedQueue(q, poll_interval_s=0.01),
@@ -337,7 +337,7 @@ def test_max_groups_per_step_keeps_a_paced_rollout_loop_flowing():
     """A producer paced like `GRPORolloutLoop` (admit while admitted - consumed < (max_staleness + 1) * groups_per_step)
     never admits the group a planner without the cap would wait for; with the cap the run completes."""
     groups_per_step, max_staleness, total = 2, 0, 7
-    progress = RolloutProgress(epochs_done=total, stall_groups=total)
+    progress = RolloutProgress(total_groups=total, stall_groups=total)
     q: queue.Queue = queue.Queue()
     done = threading.Event()
 

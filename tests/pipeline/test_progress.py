@@ -78,7 +78,7 @@ class Run:
     steps: list[list[int]] = field(default_factory=list)  # group ids of each optimizer step, in order
     checkpoint: dict | None = None  # the last saved progress state
     checkpoint_steps: int = 0  # optimizer steps the checkpoint includes
-    stop: StepBatch | None = None  # rank 0's stop item, None when killed
+    stop: RolloutStop | None = None  # how rank 0's stream ended, None when killed
 
 
 def train_like_lightning(loader, progress, *, score=None, kill_after=None, checkpoint_every=1) -> Run:
@@ -89,10 +89,10 @@ def train_like_lightning(loader, progress, *, score=None, kill_after=None, check
     current = next(batches)
     while True:
         assert len(current) == loader.collate_fn.num_processes
-        if current[0].stop:
-            assert all(b.stop and b.error == current[0].error for b in current)
+        if current[0].stop is not None:
+            assert all(b.stop is not None and b.stop.error == current[0].stop.error for b in current)
             assert next(batches, None) is None, "the stream must end right after its stop item"
-            run.stop = current[0]
+            run.stop = current[0].stop
             return run
         if score is not None:
             score(current, progress)  # score_step, in on_train_batch_start
@@ -116,7 +116,7 @@ def trained_ids(steps: list[list[int]], excluded: set[int] = frozenset()) -> lis
 
 @pytest.mark.timeout(60)
 def test_all_trainable_groups_stop_right_after_the_last_group():
-    progress = RolloutProgress(epochs_done=6, stall_groups=6)
+    progress = RolloutProgress(total_groups=6, stall_groups=6)
     q = queue_of([make_group(g, size=3) for g in range(6)])  # exactly the run's groups: nothing more is generated
     start = time.monotonic()
     run = train_like_lightning(pipeline(q, progress, token_budget=40), progress)
@@ -127,7 +127,7 @@ def test_all_trainable_groups_stop_right_after_the_last_group():
 
 @pytest.mark.timeout(60)
 def test_full_pass_without_training_raises_stall_after_exactly_stall_groups():
-    progress = RolloutProgress(epochs_done=20, stall_groups=5)
+    progress = RolloutProgress(total_groups=20, stall_groups=5)
     q = queue_of([make_group(g, size=2, advantages=[0.0, 0.0]) for g in range(20)])
     run = train_like_lightning(pipeline(q, progress), progress)
     assert run.steps == []
@@ -151,7 +151,7 @@ def test_mixed_stream_counts_each_drop_reason_once_and_consumes_every_group_once
         make_group(7, version=4),  # staleness 1: trains
     ]
     metrics: dict[str, list] = {}
-    progress = RolloutProgress(epochs_done=8, stall_groups=8)
+    progress = RolloutProgress(total_groups=8, stall_groups=8)
     loader = pipeline(queue_of(groups), progress, token_budget=40, max_staleness=2, version=5, metrics=metrics)
     run = train_like_lightning(loader, progress)
     assert run.stop.error is None
@@ -167,7 +167,7 @@ def test_mixed_stream_counts_each_drop_reason_once_and_consumes_every_group_once
 
 def test_filter_skips_a_group_consumed_before_a_resume():
     metrics: dict[str, list] = {}
-    progress = RolloutProgress([0], epochs_done=2, stall_groups=2)
+    progress = RolloutProgress([0], total_groups=2, stall_groups=2)
     groups = GroupedQueue(queue_of([make_group(0), make_group(1)]), poll_interval_s=POLL_S)
     filtered = SampleFilterQueue(
         groups,
@@ -185,7 +185,7 @@ def test_filter_skips_a_group_consumed_before_a_resume():
 
 
 def test_partly_truncated_group_masks_its_truncated_samples_for_the_collator():
-    progress = RolloutProgress(epochs_done=1, stall_groups=1)
+    progress = RolloutProgress(total_groups=1, stall_groups=1)
     q = queue_of([make_group(0, size=2, completion_lens=[3, 4], truncated=[False, True])])
     batches = next(iter(pipeline(q, progress, num_processes=1)))
     (micro_batch,) = batches[0].micro_batches
@@ -198,7 +198,7 @@ def test_partly_truncated_group_masks_its_truncated_samples_for_the_collator():
 
 
 def test_pending_groups_are_held_until_scoring_trains_or_excludes_them():
-    progress = RolloutProgress(epochs_done=3, stall_groups=2)
+    progress = RolloutProgress(total_groups=3, stall_groups=2)
     pending = [make_group(g, size=2, advantages=[math.nan, math.nan]) for g in range(3)]
     batches = next(iter(pipeline(queue_of(pending), progress, num_processes=1)))
     assert batches[0].group_ids == [0, 1, 2]
@@ -217,7 +217,7 @@ def test_pending_groups_are_held_until_scoring_trains_or_excludes_them():
 
 
 def test_held_groups_neither_reset_nor_extend_a_stall():
-    progress = RolloutProgress(epochs_done=10, stall_groups=3)
+    progress = RolloutProgress(total_groups=10, stall_groups=3)
     progress.drop(0, "no_signal")
     progress.hold([1])
     progress.drop(2, "stale")
@@ -231,20 +231,23 @@ def test_held_groups_neither_reset_nor_extend_a_stall():
 def test_stall_completed_by_the_last_steps_exclusions_ends_the_stream_with_the_stall_error():
     """Held groups count as consumed, so the run's end is decided at the look-ahead after the last step, once
     score_step excluded that step's groups: the stop item carries the stall, not a clean end."""
-    progress = RolloutProgress(epochs_done=2, stall_groups=2)
+    progress = RolloutProgress(total_groups=2, stall_groups=2)
     pending = [make_group(g, size=2, advantages=[math.nan, math.nan]) for g in range(2)]
     batches = iter(pipeline(queue_of(pending), progress, num_processes=1))
     step = next(batches)
     for group_id in step[0].group_ids:  # score_step masks every sample
         progress.exclude(group_id, "masked")
     stop = next(batches)
-    assert stop[0].stop and "2 prompt groups in a row were consumed without one training (masked: 2)" in stop[0].error
+    assert (
+        stop[0].stop.stalled
+        and "2 prompt groups in a row were consumed without one training (masked: 2)" in stop[0].stop.error
+    )
 
 
 @pytest.mark.timeout(60)
 def test_stall_raised_while_a_trainable_group_waits_in_the_planner_is_cleared_when_it_trains():
     """Groups 1 and 2 are dropped while group 0 waits in the open step; emitting that step trains it."""
-    progress = RolloutProgress(epochs_done=4, stall_groups=2)
+    progress = RolloutProgress(total_groups=4, stall_groups=2)
     groups = [make_group(0), make_group(1, advantages=[0.0] * 4), make_group(2, advantages=[0.0] * 4), make_group(3)]
     run = train_like_lightning(pipeline(queue_of(groups), progress, token_budget=10_000), progress)
     assert run.steps == [[0], [3]] and run.stop.error is None
@@ -256,13 +259,13 @@ def test_stall_raised_while_a_trainable_group_waits_in_the_planner_is_cleared_wh
 
 @pytest.mark.timeout(60)
 def test_stop_reaches_every_rank_as_one_item_and_the_stream_ends_after_it():
-    progress = RolloutProgress(epochs_done=2, stall_groups=2)
+    progress = RolloutProgress(total_groups=2, stall_groups=2)
     loader = pipeline(queue_of([make_group(0), make_group(1)]), progress, num_processes=3)
     items = list(loader)  # would hang if the stream read on after the stop
-    assert [[b.stop for b in item] for item in items] == [[False] * 3, [True] * 3]
-    assert all(b.error is None for b in items[-1])
+    assert [[b.stop is not None for b in item] for item in items] == [[False] * 3, [True] * 3]
+    assert all(b.stop.error is None and not b.stop.stalled for b in items[-1])
     again = list(loader)  # a new epoch re-iterates: the same stop, once
-    assert len(again) == 1 and all(b.stop for b in again[0])
+    assert len(again) == 1 and all(b.stop is not None for b in again[0])
 
 
 @pytest.mark.timeout(60)
@@ -270,17 +273,16 @@ def test_rollout_child_death_becomes_a_stop_item_with_the_error_on_every_rank():
     def check_health():
         raise RuntimeError("Rollout worker died (exit code -9)")
 
-    progress = RolloutProgress(epochs_done=2, stall_groups=2)
+    progress = RolloutProgress(total_groups=2, stall_groups=2)
     items = list(pipeline(queue.Queue(), progress, num_processes=2, health_check=check_health))
-    assert len(items) == 1 and all(b.stop for b in items[0])
+    assert len(items) == 1 and all(b.stop is not None and not b.stop.stalled for b in items[0])
     for batch in items[0]:
-        assert (
-            "RuntimeError: Rollout worker died (exit code -9)" in batch.error and "Traceback on rank 0" in batch.error
-        )
+        error = batch.stop.error
+        assert "RuntimeError: Rollout worker died (exit code -9)" in error and "Traceback on rank 0" in error
 
 
 def test_collator_gives_rank_r_row_r_of_every_micro_batch_and_rank_0_the_samples():
-    progress = RolloutProgress(epochs_done=6, stall_groups=6)
+    progress = RolloutProgress(total_groups=6, stall_groups=6)
     planner = StepPlanner(
         [make_group(g, size=3) for g in range(6)],
         num_processes=2,
@@ -312,21 +314,25 @@ def test_a_batcher_that_runs_out_ends_with_a_clean_stop_and_a_collation_error_st
     plan = next(iter(planner))
     plan.micro_batches[0].pop()  # a malformed plan: one row short
     batches = ProgressCollator(num_processes=2)(plan)
-    assert len(batches) == 2 and all(b.stop for b in batches)
-    assert "1 rows but `ProgressCollator(num_processes=2)`" in batches[1].error
+    assert len(batches) == 2 and all(b.stop is not None and not b.micro_batches for b in batches)
+    assert "1 rows but `ProgressCollator(num_processes=2)`" in batches[1].stop.error
 
 
-def test_rollout_stop_pickles_with_its_error():
+def test_rollout_stop_pickles_with_its_error_and_flags_alone_and_inside_a_stop_item():
     stop = pickle.loads(pickle.dumps(RolloutStop(error="stalled")))
     assert isinstance(stop, RolloutStop) and stop.error == "stalled" and repr(stop) == "RolloutStop(error='stalled')"
     assert pickle.loads(pickle.dumps(RolloutStop())).error is None
+    item = pickle.loads(pickle.dumps(StepBatch(stop=RolloutStop("no progress", stalled=True))))
+    assert repr(item.stop) == "RolloutStop(error='no progress', stalled=True)" and item.micro_batches == []
+    preempted = pickle.loads(pickle.dumps(RolloutStop(preempted=True)))
+    assert preempted.preempted and not preempted.stalled and preempted.error is None
 
 
 # ---------------------------------------------------------------- checkpoint state and resume
 
 
 def test_state_dict_is_compact_plain_and_loads_with_weights_only():
-    progress = RolloutProgress([0, 1], epochs_done=10, stall_groups=10)
+    progress = RolloutProgress([0, 1], total_groups=10, stall_groups=10)
     progress.drop(2, "stale")
     progress.train([5, 3])
     progress.commit([5])
@@ -336,20 +342,20 @@ def test_state_dict_is_compact_plain_and_loads_with_weights_only():
     buffer = io.BytesIO()
     torch.save({"progress": state}, buffer)
     buffer.seek(0)
-    restored = RolloutProgress(epochs_done=10, stall_groups=10)
+    restored = RolloutProgress(total_groups=10, stall_groups=10)
     restored.load_state_dict(torch.load(buffer, weights_only=True)["progress"])
     assert restored.consumed == {0, 1, 2, 5, 7} and restored.dropped == {"stale": 1, "no_signal": 1}
     assert restored.trained_total == 1 and restored.stall_run == 1
-    older = RolloutProgress(epochs_done=10, stall_groups=10)
+    older = RolloutProgress(total_groups=10, stall_groups=10)
     older.load_state_dict({"frontier": 4})  # keys added later fall back to defaults
     assert older.consumed == {0, 1, 2, 3} and older.trained_total == 0
 
 
 def test_progress_rejects_bad_arguments_and_ids_outside_the_run():
-    with pytest.raises(ValueError, match=r"RolloutProgress\(epochs_done=0, stall_groups=3\)"):
-        RolloutProgress(epochs_done=0, stall_groups=3)
-    progress = RolloutProgress(epochs_done=4, stall_groups=4)
-    with pytest.raises(ValueError, match=r"group ids \[4\] are outside the run's range\(epochs_done=4\)"):
+    with pytest.raises(ValueError, match=r"RolloutProgress\(total_groups=0, stall_groups=3\)"):
+        RolloutProgress(total_groups=0, stall_groups=3)
+    progress = RolloutProgress(total_groups=4, stall_groups=4)
+    with pytest.raises(ValueError, match=r"group ids \[4\] are outside the run's range\(total_groups=4\)"):
         progress.train([1, 4])
     assert progress.consumed == set()  # checked before anything changed
     with pytest.raises(ValueError, match="never collated"):
@@ -359,7 +365,7 @@ def test_progress_rejects_bad_arguments_and_ids_outside_the_run():
 @pytest.mark.timeout(60)
 def test_checkpoint_leaves_out_the_looked_ahead_step_and_resume_regenerates_it():
     schedule = GroupSchedule(num_prompts=4)
-    progress = RolloutProgress(epochs_done=len(schedule), stall_groups=4)
+    progress = RolloutProgress(total_groups=len(schedule), stall_groups=4)
     # a token budget of 12 holds one 2-sample group: one group per step
     loader = pipeline(
         queue_of([make_group(g, size=2) for g in schedule.group_ids()]), progress, num_processes=1, token_budget=12
@@ -369,7 +375,7 @@ def test_checkpoint_leaves_out_the_looked_ahead_step_and_resume_regenerates_it()
     assert 1 in progress.consumed  # step 1 was collated (trained) by the look-ahead ...
     assert first.checkpoint["frontier"] == 1 and first.checkpoint["consumed_above"] == []  # ... but not committed
 
-    resumed = RolloutProgress(epochs_done=len(schedule), stall_groups=4)
+    resumed = RolloutProgress(total_groups=len(schedule), stall_groups=4)
     resumed.load_state_dict(first.checkpoint)
     regenerate = list(schedule.group_ids(skip=resumed.consumed))
     assert regenerate == [1, 2, 3]
@@ -380,7 +386,7 @@ def test_checkpoint_leaves_out_the_looked_ahead_step_and_resume_regenerates_it()
 
 @pytest.mark.timeout(60)
 def test_resume_after_every_group_was_consumed_stops_before_any_step():
-    progress = RolloutProgress(epochs_done=3, stall_groups=3)
+    progress = RolloutProgress(total_groups=3, stall_groups=3)
     progress.load_state_dict({"frontier": 3, "trained_total": 3})
     run = train_like_lightning(pipeline(queue.Queue(), progress), progress)
     assert run.steps == [] and run.stop.error is None
@@ -437,7 +443,7 @@ def test_resume_after_a_kill_at_any_step_trains_every_group_exactly_once(case):
         )
 
     def new_progress():
-        return RolloutProgress(epochs_done=len(schedule), stall_groups=len(schedule))
+        return RolloutProgress(total_groups=len(schedule), stall_groups=len(schedule))
 
     first = run(new_progress(), kill_after=case["kill_after"] or None)
     resumed = new_progress()

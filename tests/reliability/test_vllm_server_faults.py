@@ -18,7 +18,7 @@ import pytest
 import yaml
 from preemption_helpers import REPO, finish, start_fit, wait_for
 
-from lightning_grpo.serving.vllm_server import VLLMServer, free_port, vllm_unavailable_reason
+from lightning_grpo.serving.vllm_launcher import VLLMServer, free_port, vllm_unavailable_reason
 from lightning_grpo.training.checkpoint_io import read_checkpoint
 
 UNAVAILABLE = vllm_unavailable_reason()

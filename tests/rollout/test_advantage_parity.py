@@ -9,7 +9,7 @@ import pytest
 from helpers.tiny import collate_step, plan_step, rollout_group, tiny_reward_model
 from helpers.trl_grpo import RLOOTrainer, generate_and_score, grpo_trainer
 
-from lightning_grpo.scoring.scorers import RewardModelScorer
+from lightning_grpo.scoring.builtin_scorers import RewardModelScorer
 from lightning_grpo.scoring.step import score_step
 
 NAN = float("nan")

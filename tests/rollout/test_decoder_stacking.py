@@ -10,8 +10,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_grpo.models import tiny_llama
+from lightning_grpo.models.packed_matmul import packing_available
 from lightning_grpo.rollout import decoder as decoder_code
-from lightning_grpo.rollout.decoder import SlotDecoder, packing_available
+from lightning_grpo.rollout.decoder import SlotDecoder
 
 pytestmark = pytest.mark.skipif(
     not packing_available(torch.bfloat16), reason="oneDNN has no bf16 kernels on this CPU: bf16 layers run unpacked"

@@ -25,9 +25,9 @@ from helpers.tiny import (
 
 from lightning_grpo.pipeline.ledger import RolloutProgress
 from lightning_grpo.rollout.advantages import compute_group_advantages
-from lightning_grpo.scoring.scorer import TrainerScorer, decode_extra_uid, extra_uid
-from lightning_grpo.scoring.scorers import RewardModelScorer
+from lightning_grpo.scoring.builtin_scorers import RewardModelScorer
 from lightning_grpo.scoring.step import ScoredStep, score_step
+from lightning_grpo.scoring.trainer_scorer import TrainerScorer, decode_extra_uid, extra_uid
 
 MODULE = torch.nn.Linear(1, 1)  # score_step only reads the module's device
 
@@ -99,7 +99,7 @@ def test_score_step_gives_the_same_advantages_on_one_and_two_processes(tmp_path,
 
 def test_constant_reward_scorer_excludes_its_groups_instead_of_training_them():
     groups = [rollout_group(g, 5, [3, 4, 2], seed=g) for g in range(3)]  # no rollout rewards: NaN
-    progress = RolloutProgress(epochs_done=10, stall_groups=10)
+    progress = RolloutProgress(total_groups=10, stall_groups=10)
     scorers = [rm(constant=True)]
     step = one_rank_step(groups, scorers, progress=progress)
     scored = score_step(MODULE, step, scorers=scorers, progress=progress)
@@ -114,7 +114,7 @@ def test_constant_reward_scorer_excludes_its_groups_instead_of_training_them():
 
 def test_zero_advantage_sample_leaves_the_loss_and_the_normalizer():
     groups = [rollout_group(0, 5, [3, 4, 6], seed=0, rewards=[2.0, 1.0, 0.0])]  # the middle one is the mean
-    progress = RolloutProgress(epochs_done=4, stall_groups=4)
+    progress = RolloutProgress(total_groups=4, stall_groups=4)
     scorers = [rm()]
     step = one_rank_step(groups, scorers, progress=progress)
     scored = score_step(MODULE, step, scorers=scorers, reward_weights=[1.0, 0.0], progress=progress)
@@ -169,7 +169,7 @@ def test_advantages_follow_compute_group_advantages(aggregation, scale_rewards):
 
 def test_truncation_that_masks_every_sample_with_signal_excludes_the_group_as_truncated():
     groups = [rollout_group(0, 4, [3, 3, 3], seed=0, rewards=[1, 0, 1], truncated=[True, True, True])]
-    progress = RolloutProgress(epochs_done=2, stall_groups=2)
+    progress = RolloutProgress(total_groups=2, stall_groups=2)
     scorers = [rm()]
     step = one_rank_step(groups, scorers, progress=progress)
     scored = score_step(

@@ -32,7 +32,7 @@ from lightning_grpo.rollout.loop import GRPORolloutLoop
 from lightning_grpo.rollout.sampling import teacher_forced_logprobs
 from lightning_grpo.rollout.vllm_requests import vllm_request_session
 from lightning_grpo.rollout.worker import GRPORolloutWorker
-from lightning_grpo.serving.vllm_server import VLLMServer, server_log_tail, vllm_unavailable_reason
+from lightning_grpo.serving.vllm_launcher import VLLMServer, server_log_tail, vllm_unavailable_reason
 from lightning_grpo.weights.factory import make_weight_transfer
 from lightning_grpo.weights.vllm_http import VLLMHTTPWeightTransfer
 
@@ -445,7 +445,7 @@ def test_make_weight_transfer_uses_http_for_vllm_without_a_gpu():
 
 def test_http_transfer_without_a_server_fails_with_the_url_and_the_fix():
     transfer = VLLMHTTPWeightTransfer("http://127.0.0.1:9", server_timeout=1.0)
-    with pytest.raises(RuntimeError, match=r"127\.0\.0\.1:9.*python -m lightning_grpo\.serving\.vllm_server"):
+    with pytest.raises(RuntimeError, match=r"127\.0\.0\.1:9.*python -m lightning_grpo\.serving\.vllm_launcher"):
         transfer.pause()
     transfer.destroy()
 

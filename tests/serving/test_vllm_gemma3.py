@@ -15,7 +15,7 @@ from peft import LoraConfig
 
 from lightning_grpo.models import char_tokenizer, tiny_gemma3
 from lightning_grpo.rollout.sampling import teacher_forced_logprobs
-from lightning_grpo.serving.vllm_server import VLLMServer, vllm_unavailable_reason
+from lightning_grpo.serving.vllm_launcher import VLLMServer, vllm_unavailable_reason
 from lightning_grpo.training.policy import apply_peft
 from lightning_grpo.weights.sync import WeightSync
 from lightning_grpo.weights.vllm_http import VLLMHTTPWeightTransfer

@@ -78,7 +78,7 @@ def test_score_step_rewrites_both_normalisers_when_it_masks_samples():
     (what every loss type divides by) become those of the samples still trained, on every micro-batch."""
     from helpers.tiny import tiny_reward_model
 
-    from lightning_grpo.scoring.scorers import RewardModelScorer
+    from lightning_grpo.scoring.builtin_scorers import RewardModelScorer
     from lightning_grpo.scoring.step import score_step
 
     scorers = [RewardModelScorer(tiny_reward_model(0), name="rm")]

@@ -11,9 +11,10 @@ from helpers.tiny import micro_batch, shared_prompt_group
 from peft import IA3Config, LoraConfig
 
 from lightning_grpo.models import tiny_llama
+from lightning_grpo.models.lora import is_peft_model
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.training.loss import grpo_loss, packed_logprobs
-from lightning_grpo.training.policy import enable_activation_checkpointing, is_peft_model
+from lightning_grpo.training.policy import enable_activation_checkpointing
 
 TINY_LAYERS = "embed_tokens, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"
 

@@ -49,7 +49,9 @@ def test_auto_leaves_every_replica_its_cores_and_only_one_generator_shares_them(
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
     fit = threads.FitThreads()
-    fit.apply(GRPODataModule(model="tiny-random", generator_replicas=replicas).hparams, on_cpu=True, world_size=1)
+    fit.apply(
+        GRPODataModule(model="tiny-random", generator_replicas=replicas).options.generation, on_cpu=True, world_size=1
+    )
     assert (set_to, fit.core_sharing is not None) == ([trainer], shares)
 
 

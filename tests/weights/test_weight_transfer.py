@@ -378,7 +378,7 @@ def test_vllm_weight_transfer_is_trls_nccl_client_which_needs_vllm():
 
 def test_a_packed_lm_head_follows_each_sync():
     """A vocabulary-sized LM head runs on pre-packed weights; a sync re-packs it, so logprobs follow the new head."""
-    from lightning_grpo.rollout.decoder import packing_available
+    from lightning_grpo.models.packed_matmul import packing_available
 
     old, new = tiny_llama(seed=0, vocab_size=1 << 15), tiny_llama(seed=1, vocab_size=1 << 15)
     transfer = SharedMemoryWeightTransfer(old)
@@ -400,7 +400,7 @@ def test_a_bf16_generator_runs_every_layer_packed_and_follows_each_sync():
     """In bf16 every linear layer runs on oneDNN's pre-packed weights (where this CPU has its bf16 kernels); a sync
     re-packs them all, so the logprobs follow the new weights, within bf16's resolution of a teacher-forced bf16
     forward (batched and whole-sequence products round differently)."""
-    from lightning_grpo.rollout.decoder import packing_available
+    from lightning_grpo.models.packed_matmul import packing_available
 
     if not packing_available(torch.bfloat16):
         pytest.skip("oneDNN has no bf16 kernels on this CPU: bf16 layers run unpacked")

@@ -37,7 +37,7 @@ def choose_precision(device: torch.device | str) -> tuple[str, str]:
     """Lightning's precision for training on `device` ("bf16-mixed" or "32-true"), and why, in words for the log."""
     device = torch.device(device)
     if device.type == "cpu":
-        from ..models.precision import probe_matmul_precision
+        from ..models.dtype_probe import probe_matmul_precision
 
         verdict = probe_matmul_precision()
         return ("bf16-mixed" if verdict.dtype == "bfloat16" else "32-true"), verdict.reason

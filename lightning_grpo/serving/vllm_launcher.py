@@ -5,7 +5,7 @@ clash with ours, e.g. transformers < 5.20), so this module only starts a process
 heavy. From the command line, in the project's environment:
 
     ./scripts/setup_vllm.sh
-    python -m lightning_grpo.serving.vllm_server --model tiny-random --port 8000     # Ctrl-C stops it
+    python -m lightning_grpo.serving.vllm_launcher --model tiny-random --port 8000     # Ctrl-C stops it
 
 then train with `GRPODataModule(generator="vllm", vllm_server_url="http://127.0.0.1:8000", model="tiny-random")`.
 The served model name is the `--model` string, which is what the rollout loop sends as `"model"`.
@@ -187,27 +187,27 @@ class VLLMServer:
         reason = vllm_unavailable_reason(self.venv)
         if reason is not None:
             raise RuntimeError(f"VLLMServer(model={self.model!r}) cannot start: {reason}.")
-        self._run_dir = Path(tempfile.mkdtemp(prefix="lgrpo-vllm-"))
-        shutil.copyfile(Path(__file__).with_name("vllm_worker_ext.py"), self._run_dir / f"{_EXT_MODULE}.py")
+        self._run_dir = run_dir = Path(tempfile.mkdtemp(prefix="lgrpo-vllm-"))
+        shutil.copyfile(Path(__file__).with_name("vllm_worker_ext.py"), run_dir / f"{_EXT_MODULE}.py")
         if self.port is None:
             self.port = free_port(self.host)
-        log_path = self.log_path or self._run_dir / "server.log"
+        log_path = self.log_path or run_dir / "server.log"
         self._log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        model_path = self._model_path()
+        model_path = self._model_path(run_dir)
         started = time.monotonic()
-        self._process = subprocess.Popen(
+        self._process = process = subprocess.Popen(
             self.command(model_path),
-            env=self._env(model_path),
+            env=self._env(model_path, run_dir),
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stop() signals the whole tree at once
             preexec_fn=_die_with_parent if self.die_with_parent and sys.platform.startswith("linux") else None,
         )
-        _register(self.port, {"pid": self._process.pid, "log": str(log_path), "url": self.url})
+        _register(self.port, {"pid": process.pid, "log": str(log_path), "url": self.url})
         atexit.register(self.stop)
         try:
-            self._wait_ready()
+            self._wait_ready(process)
         except BaseException:
             self.stop()
             raise
@@ -237,18 +237,18 @@ class VLLMServer:
             return []
         return ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
 
-    def _model_path(self) -> str:
+    def _model_path(self, run_dir: Path) -> str:
         from ..models.tiny import TINY_MODEL
 
         if self.model == TINY_MODEL or self.model.startswith(TINY_MODEL + ":"):
-            return save_tiny_model(self._run_dir / "model", self.model)
+            return save_tiny_model(run_dir / "model", self.model)
         from ..models.loading import _resolve_path
 
         return _resolve_path(self.model)
 
-    def _env(self, model_path: str) -> dict[str, str]:
+    def _env(self, model_path: str, run_dir: Path) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-        env["PYTHONPATH"] = str(self._run_dir)  # the worker extension, and nothing of our environment
+        env["PYTHONPATH"] = str(run_dir)  # the worker extension, and nothing of our environment
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
         if self.max_lora_rank is not None:
@@ -258,10 +258,10 @@ class VLLMServer:
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env | self.env
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, process: subprocess.Popen) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
-            code = self._process.poll()
+            code = process.poll()
             if code is not None:
                 raise RuntimeError(
                     f"VLLMServer(model={self.model!r}) exited with code {code} while starting. "
@@ -446,12 +446,12 @@ def _http_ok(url: str) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m lightning_grpo.serving.vllm_server --model NAME [--port N]`: serve until Ctrl-C or SIGTERM."""
+    """`python -m lightning_grpo.serving.vllm_launcher --model NAME [--port N]`: serve until Ctrl-C or SIGTERM."""
     parser = argparse.ArgumentParser(
         prog="lightning-grpo vllm-serve",
         description="Start a vLLM server (OpenAI API, plus TRL's weight-update routes) for GRPODataModule(generator="
         "'vllm') from vLLM's own environment, and serve until Ctrl-C or SIGTERM. The same as `python -m "
-        "lightning_grpo.serving.vllm_server`.",
+        "lightning_grpo.serving.vllm_launcher`.",
         epilog="Any other option is passed to `vllm serve` as it is.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

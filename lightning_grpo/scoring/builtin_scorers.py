@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..rollout.records import SCORE_PAYLOAD, RolloutSample
 from ..training.attention import tree_model_kwargs, use_tree_attention
 from .packing import collate_sequences, unpack_sequences
-from .scorer import TrainerScorer, extra_uid
+from .trainer_scorer import TrainerScorer, extra_uid
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -249,7 +249,12 @@ def _pool_start(sample: RolloutSample | None, d: dict[str, Any] | None = None) -
     """Where a sample's completion starts: the payload's prompt length, else its first trained token."""
     if sample is not None and "prompt_length" in _payload(sample):
         return int(_payload(sample)["prompt_length"])
-    mask = np.asarray(sample.completion_mask if sample is not None else d["completion_mask"])
+    if sample is not None:
+        mask = np.asarray(sample.completion_mask)
+    elif d is not None:
+        mask = np.asarray(d["completion_mask"])
+    else:
+        raise ValueError("`_pool_start` needs a sample or its collated dict.")
     trained = np.flatnonzero(mask)
     return int(trained[0]) if trained.size else len(mask) - 1
 

@@ -41,39 +41,11 @@ class ServerLost(Exception):
     """A request's server was lost while it was in flight; with failover it is sent again to another server."""
 
 
-def server_stale_after_s(hp: Any) -> float:
-    """Seconds a server may leave `/health` or a control request unanswered before it is lost: half of
-    `GRPODataModule(heartbeat_timeout=...)`, so that a silent server fails the run within the heartbeat limit."""
-    return float(hp.heartbeat_timeout) / 2
-
-
-def server_urls(vllm_server_url: str | Sequence[str]) -> tuple[str, ...]:
-    """The servers `vllm_server_url` names, without trailing slashes, in order.
-
-    Raises:
-        ValueError: an empty list, a URL that is not `http(s)://host:port`, or the same server twice.
-    """
-    urls = [vllm_server_url] if isinstance(vllm_server_url, str) else list(vllm_server_url)
-    bad = [url for url in urls if not isinstance(url, str) or not url.startswith(("http://", "https://"))]
-    if not urls or bad:
-        raise ValueError(
-            f"`vllm_server_url={vllm_server_url!r}`: pass one URL or a list of them, each like "
-            f"'http://127.0.0.1:8000'{f' (not {bad})' if bad else ''}."
-        )
-    urls = [url.rstrip("/") for url in urls]
-    if len(set(urls)) != len(urls):
-        raise ValueError(
-            f"`vllm_server_url={vllm_server_url!r}` names a server twice: list each server once (a server with "
-            "data parallelism is one URL)."
-        )
-    return tuple(urls)
-
-
 class VLLMServers:
     """The rollout child's servers: routing by load with one server per group, and which servers are lost.
 
     Args:
-        urls: the servers, as `server_urls` returns them.
+        urls: the servers, as `lightning_grpo.serving.server_urls.server_urls` returns them.
         failover: go on with the other servers when one is lost (counted), instead of failing.
         lost: shared flags, one per server (an `mp.Array` of bytes), that the trainer sets for a server it could not
             push weights to; None when nothing outside this process marks servers lost.
@@ -175,7 +147,7 @@ class VLLMServers:
     async def watch(self, session: Any) -> None:
         """Probe every live server's `/health` until cancelled; lose one whose process exited (a local `VLLMServer`)
         or that has not answered for `stale_after_s`. Runs as a task of the rollout child's event loop."""
-        from ..serving.vllm_server import server_process_alive
+        from ..serving.vllm_launcher import server_process_alive
 
         while True:
             live = self.live
@@ -217,7 +189,7 @@ class VLLMServers:
 
 
 def _log_tail(url: str) -> str:
-    from ..serving.vllm_server import server_log_tail
+    from ..serving.vllm_launcher import server_log_tail
 
     tail = server_log_tail(url)
     return f" The server's last log lines:\n{tail}" if tail else ""

@@ -25,9 +25,9 @@ from lightning.pytorch.loggers.logger import Logger
 
 from lightning_grpo.models import tiny_llama
 from lightning_grpo.rollout.sampling import teacher_forced_logprobs
-from lightning_grpo.rollout.vllm_servers import ServerLost, VLLMServers
+from lightning_grpo.rollout.vllm_routing import ServerLost, VLLMServers
 from lightning_grpo.rollout.worker import GRPORolloutWorker
-from lightning_grpo.serving.vllm_server import VLLMServer, free_port, vllm_unavailable_reason
+from lightning_grpo.serving.vllm_launcher import VLLMServer, free_port, vllm_unavailable_reason
 from lightning_grpo.weights.factory import make_weight_transfer
 from lightning_grpo.weights.sync import WeightSync
 

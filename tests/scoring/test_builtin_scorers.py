@@ -13,10 +13,10 @@ from helpers.tiny import collate_step, plan_step, rollout_group, tiny_reward_mod
 
 from lightning_grpo.models import tiny_llama
 from lightning_grpo.rollout.records import RolloutSample
+from lightning_grpo.scoring.builtin_scorers import FeatureMatchingScorer, RewardModelScorer
 from lightning_grpo.scoring.packing import chunk_inputs
-from lightning_grpo.scoring.scorer import extra_uid
-from lightning_grpo.scoring.scorers import FeatureMatchingScorer, RewardModelScorer
 from lightning_grpo.scoring.step import score_step
+from lightning_grpo.scoring.trainer_scorer import extra_uid
 
 MODULE = torch.nn.Linear(1, 1)
 REFERENCE = [7, 8, 9, 10, 3]

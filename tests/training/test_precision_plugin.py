@@ -1,4 +1,4 @@
-"""`AutoPrecision` (`lightning_grpo.training.auto_precision`): bf16-mixed where the probe says bf16 products are
+"""`AutoPrecision` (`lightning_grpo.training.precision_plugin`): bf16-mixed where the probe says bf16 products are
 faster, 32-true where not, decided under a real `Trainer.fit` (replayed steps, no rollout child).
 
 The probe's verdict is replaced in two tests, so that both choices are exercised on any machine; the replacement is a
@@ -13,9 +13,9 @@ import torch
 from helpers.replay import fit_replay, replay_steps
 
 import lightning_grpo
-from lightning_grpo.models import precision as probe
+from lightning_grpo.models import dtype_probe as probe
 from lightning_grpo.module import GRPOModule
-from lightning_grpo.training.auto_precision import AutoPrecision, choose_precision
+from lightning_grpo.training.precision_plugin import AutoPrecision, choose_precision
 
 
 def verdict(dtype: str) -> probe.PrecisionVerdict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -54,7 +55,7 @@ class TrainerScorer(ABC):
     @abstractmethod
     def collate(
         self, rows: list[ScoredRow], index: int
-    ) -> tuple[list[dict[str, torch.Tensor]], dict[str, int | float]]:
+    ) -> tuple[list[dict[str, torch.Tensor]], Mapping[str, int | float]]:
         """Per-row input tensors for `features` and their padding values (rank 0).
 
         `rows` are one micro-batch's rows (row r goes to rank r); `index` is this scorer's position, which marks its

@@ -36,6 +36,7 @@ from typing import Literal
 
 import torch
 
+from .packed_matmul import pack_weight, packed_linear
 from .smollm2 import default_cache_dir
 
 __all__ = [
@@ -130,14 +131,12 @@ def matmul_gflops(
 
     The fastest call, not the median: another process can only slow a call down, so the fastest is the closest to
     what the hardware allows. With `packed`, the product runs through oneDNN on a weight laid out for it beforehand
-    (what the embedded generator does where `rollout.decoder.packing_available`; the caller checks that it is).
+    (what the embedded generator does where `packed_matmul.packing_available`; the caller checks that it is).
     """
     x = torch.randn(rows, inner).to(dtype)
     w = torch.randn(outer, inner).to(dtype)
     with torch.inference_mode():
         if packed:
-            from ..rollout.decoder import pack_weight, packed_linear
-
             product = functools.partial(packed_linear, x, pack_weight(w, rows))
         else:
             product = functools.partial(torch.nn.functional.linear, x, w)

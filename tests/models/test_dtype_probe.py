@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from lightning_grpo.models import precision
-from lightning_grpo.models.precision import MIN_SPEEDUP, probe_matmul_precision
+from lightning_grpo.models import dtype_probe
+from lightning_grpo.models.dtype_probe import MIN_SPEEDUP, probe_matmul_precision
 
 pytestmark = pytest.mark.usefixtures("unpinned_precision")  # the probe itself, not the suite's fp32 pin
 
@@ -34,7 +34,7 @@ def test_the_second_call_reads_the_cached_verdict_without_timing_again(tmp_path,
     def no_timing(*args, **kwargs):
         raise AssertionError("the cached verdict was timed again")
 
-    monkeypatch.setattr(precision, "matmul_gflops", no_timing)
+    monkeypatch.setattr(dtype_probe, "matmul_gflops", no_timing)
     second = probe_matmul_precision(tmp_path)
     assert second.from_cache
     assert (second.dtype, second.bf16_speedup, second.reason, second.key) == (
@@ -47,14 +47,14 @@ def test_the_second_call_reads_the_cached_verdict_without_timing_again(tmp_path,
 
 def test_another_cpu_or_torch_probes_again_under_its_own_key(tmp_path, monkeypatch):
     here = probe_matmul_precision(tmp_path)
-    real_signature = precision.cpu_signature
+    real_signature = dtype_probe.cpu_signature
 
     for change in ({"flags": "avx avx2 fma"}, {"torch": "9.9.9"}, {"cpu": "Another CPU"}):
-        monkeypatch.setattr(precision, "cpu_signature", lambda change=change: real_signature() | change)
+        monkeypatch.setattr(dtype_probe, "cpu_signature", lambda change=change: real_signature() | change)
         other = probe_matmul_precision(tmp_path)
         assert not other.from_cache and other.key != here.key
         assert probe_matmul_precision(tmp_path).from_cache  # and is cached under that key
-    monkeypatch.setattr(precision, "cpu_signature", real_signature)
+    monkeypatch.setattr(dtype_probe, "cpu_signature", real_signature)
     assert probe_matmul_precision(tmp_path).key == here.key
     assert len(list(tmp_path.glob("*.json"))) == 4
 
@@ -85,11 +85,11 @@ def test_the_default_cache_is_the_package_cache_folder(tmp_path, monkeypatch):
     ],
 )
 def test_the_reason_says_how_much_and_why(speedup, hardware, reason):
-    assert precision._reason(speedup, hardware) == reason
+    assert dtype_probe._reason(speedup, hardware) == reason
 
 
 def test_the_generator_dtype_is_the_policys_the_one_named_or_the_probes_verdict(tmp_path, monkeypatch):
-    from lightning_grpo.models.precision import resolve_generator_dtype
+    from lightning_grpo.models.dtype_probe import resolve_generator_dtype
 
     monkeypatch.setenv("LIGHTNING_GRPO_CACHE", str(tmp_path))
     assert resolve_generator_dtype(None, torch.float32) == ("float32", "the policy's dtype (generator_dtype=None)")
@@ -113,7 +113,7 @@ def test_the_environment_pins_the_verdict_without_timing(pinned, tmp_path, monke
     def no_timing(*args, **kwargs):
         raise AssertionError("a pinned verdict was timed")
 
-    monkeypatch.setattr(precision, "matmul_gflops", no_timing)
+    monkeypatch.setattr(dtype_probe, "matmul_gflops", no_timing)
     monkeypatch.setenv("LIGHTNING_GRPO_PRECISION", pinned)
     verdict = probe_matmul_precision(tmp_path)
     assert (verdict.dtype, verdict.key, verdict.reason) == (
