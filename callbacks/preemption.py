@@ -26,11 +26,31 @@ PREEMPTED_EXIT_CODE = 75
 
 def preempting(trainer: pl.Trainer) -> bool:
     """Every rank: whether any rank received SIGTERM (Lightning's flag); with several ranks, one all-reduce, so every
-    rank decides the same at the same step."""
+    rank decides the same at the same step. A rank the signal missed then sets the flag too, so that Lightning ends
+    every rank at this step's boundary, not only those that got the signal."""
     flag = bool(trainer.received_sigterm)
     if trainer.world_size > 1:
         flag = bool(trainer.strategy.reduce_boolean_decision(flag, all=False))
+        if flag and not trainer.received_sigterm:
+            trainer._signal_connector.received_sigterm = True
     return flag
+
+
+def _notify_sigterm(trainer: pl.Trainer) -> Any:
+    """Lightning's SIGTERM notifier without its collective: it sets the flag and sends the signal on to the ranks
+    Lightning's launcher started, but does not broadcast from inside the signal handler, which pairs with whatever
+    collective another rank is in unless every rank got the signal at the same point (gloo then fails on mismatched
+    sizes). The ranks agree instead at the step boundary (`preempting`) and where Lightning's loop broadcasts rank
+    0's flag before each batch."""
+    connector = trainer._signal_connector
+
+    def notify(signum: int, frame: Any) -> None:
+        log.info(f"[rank: {trainer.global_rank}] Received SIGTERM: {signum}")
+        if not connector.received_sigterm and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)
+        connector.received_sigterm = True
+
+    return notify
 
 
 class PreemptionCallback(Callback):
@@ -38,10 +58,12 @@ class PreemptionCallback(Callback):
     exits with code 75 (`PREEMPTED_EXIT_CODE`).
 
     Lightning's own SIGTERM handler stays in charge: it sets `trainer.received_sigterm` (and forwards the signal to
-    the ranks its launcher started). After that no step is looked ahead, a wait for rollouts ends within about a
-    second, and Lightning raises `SIGTERMException` at the next step boundary; this callback then saves the
-    checkpoint (every rank: saving is a collective), prints `preempted: checkpoint saved to PATH` and sets the
-    exception's exit code to 75, so a requeue script tells a preemption (75) from success (0), a failure (1) and a
+    the ranks its launcher started), but without the broadcast Lightning makes inside the handler, which desyncs
+    ranks that did not all get the signal at the same point. The signal may reach every rank or only some (rank 0
+    only, as from a scheduler that signals the main process): the ranks agree at the end of the step in flight. After
+    that no step is looked ahead, a wait for rollouts ends within about a second, and Lightning raises
+    `SIGTERMException` on every rank at that step boundary; this callback then saves the checkpoint (every rank:
+    saving is a collective), prints `preempted: checkpoint saved to PATH` and sets the exception's exit code to 75, so a requeue script tells a preemption (75) from success (0), a failure (1) and a
     bad configuration (2). The checkpoint counts every step that trained and no step that did not: resuming from it
     (`--ckpt_path PATH`) trains each remaining prompt group exactly once.
 
@@ -77,8 +99,10 @@ class PreemptionCallback(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Installed before Lightning registers its handlers (after on_fit_start), so Lightning leaves this signal
-        # to us instead of saving from inside its own SLURM handler.
+        # Lightning registers its signal handlers after on_fit_start: its SIGTERM handler calls this notifier.
+        trainer._signal_connector._sigterm_notifier_fn = _notify_sigterm(trainer)
+        # Installed before Lightning registers its handlers, so Lightning leaves this signal to us instead of saving
+        # from inside its own SLURM handler.
         self._requeue_requested = False
         if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
             return

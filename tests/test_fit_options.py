@@ -11,31 +11,12 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from helpers.fit_rewards import length_reward
+from helpers.fit_probe import StepRecorder
+from helpers.fit_rewards import char_sum_reward, length_reward
 from helpers.tiny import cpu_trainer, tiny_datamodule
 from helpers.trl_grpo import generate_and_score, grpo_trainer
 
 from lightning_grpo.module import GRPOModule
-
-
-class StepRecorder(pl.Callback):
-    """Each step's trained advantages by sample (rank 0's view) and the metrics logged for it."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        advantages = {}
-        for mb in batch.micro_batches:
-            for uid, advantage in zip(mb["sample_uid"].tolist(), mb["sample_advantage"].tolist(), strict=True):
-                if uid >= 0:
-                    advantages[uid] = advantage
-        version = trainer.datamodule.weight_sync.version  # pushes so far, after the first
-        self.steps.append({"samples": list(batch.samples), "advantages": advantages, "version": version})
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.steps[-1]["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-        self.steps[-1]["steps_after"] = trainer.global_step
 
 
 def trl_batch_advantages(samples, reward_names, aggregation: str, num_generations: int) -> np.ndarray:
@@ -65,8 +46,6 @@ def test_batch_scaled_rewards_train_trls_advantages_and_a_truncated_sampler_give
     the same way, see `test_advantage_parity.py`); and with `top_k`/`top_p` the trainer's log-probabilities are those
     of the same truncated distribution the generator sampled from, so the first step (trained on the weights that
     generated it) has a ratio of 1."""
-    from helpers.tiny import char_sum_reward
-
     aggregation = "normalize_then_sum"
     recorder = StepRecorder()
     datamodule = tiny_datamodule(
@@ -81,13 +60,13 @@ def test_batch_scaled_rewards_train_trls_advantages_and_a_truncated_sampler_give
     trainer = cpu_trainer(callbacks=[recorder])
     trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
 
-    assert recorder.steps and trainer.global_step == len(recorder.steps)
-    for step in recorder.steps:
+    assert recorder.records and trainer.global_step == len(recorder.records)
+    for step in recorder.records:
         names = ["char_sum_reward", "length_reward"]
         expected = trl_batch_advantages(step["samples"], names, aggregation, num_generations=4)
         got = np.array([step["advantages"][uid] for uid in range(len(step["samples"]))])
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    first = recorder.steps[0]
+    first = recorder.records[0]
     assert all(sample.model_version == 0 for sample in first["samples"])  # sampled by the weights it trains
     assert first["metrics"]["ratio"] == pytest.approx(1.0, abs=1e-4), first["metrics"]
     assert first["metrics"]["sampling/sampling_logp_difference/mean"] < 1e-4
@@ -105,14 +84,14 @@ def test_reference_model_with_two_updates_per_step_ends_by_itself(no_leaked_proc
     trainer = cpu_trainer(callbacks=[recorder])
     trainer.fit(module, datamodule=datamodule)
 
-    batches = len(recorder.steps)
+    batches = len(recorder.records)
     assert batches > 0 and trainer.global_step == 2 * batches
-    assert [step["steps_after"] for step in recorder.steps] == [2 * (i + 1) for i in range(batches)]
-    assert [step["version"] for step in recorder.steps] == list(range(batches))  # one push per planned step
+    assert [step["global_step"] for step in recorder.records] == [2 * (i + 1) for i in range(batches)]
+    assert [step["version"] for step in recorder.records] == list(range(batches))  # one push per planned step
     progress = datamodule.progress
     assert sorted(progress.consumed) == list(range(4))  # every group once, whatever the updates per step
     assert progress.trained_total + sum(progress.dropped.values()) == 4
-    assert recorder.steps[-1]["metrics"]["kl"] > 0  # the policy moved away from its reference ...
+    assert recorder.records[-1]["metrics"]["kl"] > 0  # the policy moved away from its reference ...
     assert not module.reference.mixed  # ... which never changes without sync_ref_model
     initial = tiny_llama(seed=0)
     for (name, ref), (_, start) in zip(module.reference.named_parameters(), initial.named_parameters(), strict=True):
@@ -156,5 +135,5 @@ def test_a_bf16_generator_samples_by_bf16_weights_and_the_fp32_trainer_sees_the_
     for sample, expected in zip(reference.samples, reference.references, strict=True):
         prompt_len = int((sample.completion_mask == 0).sum())
         np.testing.assert_allclose(sample.old_log_probs[prompt_len:], expected.numpy(), atol=2e-2)
-    assert recorder.steps[0]["metrics"]["sampling/sampling_logp_difference/mean"] > 1e-4
-    assert trainer.global_step == len(recorder.steps) > 0
+    assert recorder.records[0]["metrics"]["sampling/sampling_logp_difference/mean"] > 1e-4
+    assert trainer.global_step == len(recorder.records) > 0

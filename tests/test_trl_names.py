@@ -303,42 +303,38 @@ def test_only_the_trl_module_imports_trl():
     assert importers == ["_trl.py"], importers
 
 
-#: TRL's synchronous trainers' methods the parity tests call (tests/trl_grpo.py), with the parameters they pass
+#: TRL's synchronous trainers' methods the parity tests call or override (tests/helpers/trl_grpo.py), with the
+#: parameters they pass or accept
 GRPO_TRAINER_METHODS = {
+    "compute_loss": ["model", "inputs", "return_outputs", "num_items_in_batch"],
+    "training_step": ["model", "inputs", "num_items_in_batch"],
     "_compute_loss": ["model", "inputs"],
     "_generate_and_score_completions": ["inputs"],
+    "_generate_single_turn": ["prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"],
     "_get_per_token_logps_and_entropies": ["model", "input_ids", "attention_mask", "logits_to_keep"],
     "get_high_entropy_mask": ["entropies", "mask", "threshold"],
     "get_off_policy_mask": ["advantages", "per_token_logps", "sampling_per_token_logps", "mask"],
     "get_gamma_weights": ["advantages", "log_ratio_per_token", "mask", "importance_sampling_ratio"],
 }
-#: attributes tests/trl_grpo.py sets on a trainer built without `__init__`, besides those copied from its config
+RLOO_TRAINER_METHODS = {
+    "_generate_and_score_completions": ["inputs"],
+    "_generate_single_turn": ["prompt_ids", "images", "multimodal_fields"],
+}
+#: attributes of a built trainer that tests/helpers/trl_grpo.py and the parity tests set or read: `use_vllm` (set to
+#: stand in for vLLM), `model` (a `LogprobsModel` for one `_generate_and_score_completions` call),
+#: `current_gradient_accumulation_steps` (set as `Trainer.train` does, for `_compute_loss` outside it), the rest read
 GRPO_TRAINER_ATTRIBUTES = [
     "args",
-    "accelerator",
     "model",
-    "ref_model",
     "use_vllm",
-    "epsilon_low",
-    "epsilon_high",
-    "aux_loss_enabled",
-    "_entropy_bonus_enabled",
+    "temperature",
+    "beta",
     "current_gradient_accumulation_steps",
     "_metrics",
-    "_logs",
-    "_pending_extra_logs",
-    "_pending_metrics",
-    "log_multimodal",
-    "environment_factories",
-    "tools",
-    "pad_to_multiple_of",
-    "eos_token_ids",
-    "_tokenizer",
-    "reward_funcs",
-    "reward_func_names",
-    "reward_weights",
-    "_generate",
-    "_calculate_rewards",
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_clip_max",
 ]
 
 
@@ -350,11 +346,10 @@ def test_the_trl_trainer_code_the_parity_tests_call_is_where_it_was():
     from trl.trainer.rloo_trainer import RLOOTrainer
 
     missing = _missing_parameters(GRPOTrainer, GRPO_TRAINER_METHODS)
-    missing += _missing_parameters(RLOOTrainer, {"_generate_and_score_completions": ["inputs"]})
+    missing += _missing_parameters(RLOOTrainer, RLOO_TRAINER_METHODS)
     missing += _missing_parameters(SyncRefModelCallback, {"_sync_target_model": ["model", "target_model", "alpha"]})
-    from helpers.trl_grpo import CONFIG_ATTRIBUTES
-
     source = inspect.getsource(GRPOTrainer)
-    attributes = [*CONFIG_ATTRIBUTES, *GRPO_TRAINER_ATTRIBUTES]
-    missing += [f"GRPOTrainer source: self.{name}" for name in attributes if f"self.{name}" not in source]
-    assert not missing, f"TRL moved names the GRPO-family parity tests rely on (update tests/trl_grpo.py): {missing}"
+    missing += [f"GRPOTrainer source: self.{name}" for name in GRPO_TRAINER_ATTRIBUTES if f"self.{name}" not in source]
+    assert not missing, (
+        f"TRL moved names the GRPO-family parity tests rely on (update tests/helpers/trl_grpo.py): {missing}"
+    )

@@ -14,8 +14,9 @@ Rank 0 only, single-threaded: the DataLoader (`num_workers=0`) and the callbacks
 from __future__ import annotations
 
 import logging
+import operator
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, MutableSet
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,75 @@ def _rollout_stop(error: str | None, stalled: bool, preempted: bool) -> RolloutS
     return RolloutStop(error, stalled=stalled, preempted=preempted)
 
 
+class GroupIdSet(MutableSet[int]):
+    """A set of group ids (non-negative ints) kept as a bitmap: one bit per id up to the largest one.
+
+    A run's consumed ids take `total_groups / 8` bytes, allocated as the ids grow and never more (a `set` holds about
+    60 bytes an id, so a long run's ledger would grow with every step). It behaves as a `set` of ints: `in`, `len`,
+    iteration (in ascending order), `add`, `discard`, `update`, `clear`, and `==`/`<=`/`-`/`|` with any set.
+
+    Raises:
+        ValueError: `add` of a negative id.
+    """
+
+    __slots__ = ("_bits", "_count")
+
+    def __init__(self, group_ids: Iterable[int] = ()) -> None:
+        self._bits = bytearray()
+        self._count = 0
+        self.update(group_ids)
+
+    def __contains__(self, group_id: object) -> bool:
+        try:
+            index = operator.index(group_id)  # type: ignore[arg-type]
+        except TypeError:
+            return False
+        byte = index >> 3
+        return 0 <= byte < len(self._bits) and bool(self._bits[byte] >> (index & 7) & 1)
+
+    def __iter__(self) -> Iterator[int]:
+        for byte_index, byte in enumerate(self._bits):
+            if byte:
+                yield from (byte_index * 8 + bit for bit in range(8) if byte >> bit & 1)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __repr__(self) -> str:
+        return f"GroupIdSet({list(self)!r})"
+
+    def add(self, group_id: int) -> None:
+        index = operator.index(group_id)
+        if index < 0:
+            raise ValueError(f"`GroupIdSet.add({group_id})`: group ids are never negative.")
+        byte, mask = index >> 3, 1 << (index & 7)
+        if byte >= len(self._bits):
+            self._bits.extend(bytes(byte + 1 - len(self._bits)))
+        if not self._bits[byte] & mask:
+            self._bits[byte] |= mask
+            self._count += 1
+
+    def discard(self, group_id: int) -> None:
+        if group_id in self:
+            index = operator.index(group_id)
+            self._bits[index >> 3] &= ~(1 << (index & 7)) & 0xFF
+            self._count -= 1
+
+    def update(self, group_ids: Iterable[int]) -> None:
+        """Add every id of `group_ids`."""
+        for group_id in group_ids:
+            self.add(group_id)
+
+    def clear(self) -> None:
+        self._bits.clear()
+        self._count = 0
+
+    def first_missing(self) -> int:
+        """The smallest id not in the set."""
+        full = len(self._bits) - len(self._bits.lstrip(b"\xff"))  # leading bytes with all 8 ids present
+        return next(i for i in range(full * 8, full * 8 + 9) if i not in self)
+
+
 class RolloutProgress:
     """Consumed and trained prompt groups, and the stream's stop conditions.
 
@@ -83,7 +153,8 @@ class RolloutProgress:
     once `stall_groups` groups in a row were consumed without one training (the stall wins when both hold).
 
     Args:
-        consumed: group ids consumed before this run (a `set` is updated in place, so a caller may share it).
+        consumed: group ids consumed before this run. A `GroupIdSet` or a `set` is updated in place, so a caller may
+            share it; other iterables are copied into a `GroupIdSet` (what `consumed` is by default).
         total_groups: the number of groups in the run, `len(GroupSchedule)` (epochs x prompts): the run's groups
             are all consumed once that many distinct ids (all in `range(total_groups)`) are.
         stall_groups: how many groups in a row may be consumed without one training; callers default it to one
@@ -107,7 +178,9 @@ class RolloutProgress:
             )
         self.total_groups = total_groups
         self.stall_groups = stall_groups
-        self.consumed: set[int] = consumed if isinstance(consumed, set) else set(consumed)
+        self.consumed: GroupIdSet | set[int] = (
+            consumed if isinstance(consumed, GroupIdSet | set) else GroupIdSet(consumed)
+        )
         self._check_ids(self.consumed, "consumed")
         self.dropped: Counter[str] = Counter()  # drops per reason, over the whole run
         self.excluded: Counter[str] = Counter()  # exclusions per reason, over the whole run
@@ -223,13 +296,11 @@ class RolloutProgress:
         Consumed ids are the final ones (committed, dropped, excluded), stored as `frontier` (the smallest id not
         consumed) plus the sorted ids above it.
         """
-        final = self.consumed - self._uncommitted - self._held
-        frontier = 0
-        while frontier in final:
-            frontier += 1
+        pending = self._uncommitted | self._held  # consumed, not final yet
+        frontier = min([_first_missing(self.consumed), *pending])
         return {
             "frontier": frontier,
-            "consumed_above": sorted(g for g in final if g > frontier),
+            "consumed_above": sorted(g for g in self.consumed if g > frontier and g not in pending),
             "dropped": dict(self.dropped),
             "excluded": dict(self.excluded),
             "trained_total": self.trained_total,
@@ -239,10 +310,10 @@ class RolloutProgress:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s output; ids at or past `total_groups` (a run made shorter) are left out."""
-        ids = set(range(min(int(state.get("frontier", 0)), self.total_groups)))
-        ids.update(int(g) for g in state.get("consumed_above", ()) if 0 <= int(g) < self.total_groups)
+        above = [int(g) for g in state.get("consumed_above", ())]
         self.consumed.clear()
-        self.consumed.update(ids)
+        self.consumed.update(range(min(int(state.get("frontier", 0)), self.total_groups)))
+        self.consumed.update(g for g in above if 0 <= g < self.total_groups)
         self.dropped = Counter(state.get("dropped", {}))
         self.excluded = Counter(state.get("excluded", {}))
         self.trained_total = int(state.get("trained_total", 0))
@@ -294,3 +365,13 @@ class RolloutProgress:
             f"HINT: {hints or 'check the trainer scorers, which excluded every sample'}. Raise stall_groups to "
             "tolerate longer stretches without training."
         )
+
+
+def _first_missing(group_ids: GroupIdSet | set[int]) -> int:
+    """The smallest id not in `group_ids` (a `GroupIdSet` finds it without walking every id)."""
+    if isinstance(group_ids, GroupIdSet):
+        return group_ids.first_missing()
+    missing = 0
+    while missing in group_ids:
+        missing += 1
+    return missing

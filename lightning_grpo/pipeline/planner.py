@@ -19,7 +19,7 @@ import numpy as np
 
 from .._trl import TreeRow
 from ..rollout.records import RolloutSample
-from .ledger import RolloutProgress, RolloutStop
+from .ledger import GroupIdSet, RolloutProgress, RolloutStop
 from .metrics import append_metric
 
 log = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ class StepPlanner:
         #: samples received, placed into emitted steps, and dropped (groups too big for a step)
         self.samples_in = self.samples_planned = self.samples_dropped = 0
         self._min_trained: int | None = None
-        self._seen: set[int] = set()  # group ids received, so that a duplicate never trains twice
+        self._seen = GroupIdSet()  # group ids received, so that a duplicate never trains twice
         self._open = self._new_step()
 
     @property

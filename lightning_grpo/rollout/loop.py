@@ -23,7 +23,6 @@ from .._trl import (
     RolloutGroup,
     _AsyncRolloutLoop,
     add_response_schema,
-    get_callable_name,
     is_async_callable,
 )
 from .advantages import AdvantageEstimator, Aggregation, ScaleRewards, compute_group_advantages, learning_signal
@@ -33,6 +32,7 @@ from .environments import Environments, prompt_of, tool_methods, with_observatio
 from .groups import Group, Rollout, assemble
 from .pacing import Pacing
 from .records import GENERATOR_REPLICA, LEARNING_SIGNAL, SCORE_PAYLOAD, RolloutSample
+from .reward_calls import InlineRewards
 from .reward_pool import RewardProcessPool
 from .schedule import GroupSchedule
 from .stop_strings import check_stop
@@ -61,8 +61,9 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
     `_generate_one`'s reward), then `compute_group_advantages` with `reward_weights`, `multi_objective_aggregation`
     and `scale_rewards`. Synchronous reward functions run in a `RewardProcessPool` of `reward_num_workers` processes
     with a `reward_timeout` (so a hung or crashing reward scores NaN instead of freezing the loop); with
-    `reward_num_workers=0` they run in threads, bounded by the same timeout but able to hold the GIL. Async reward
-    functions are awaited with the timeout.
+    `reward_num_workers=0` they run in threads, and async reward functions are awaited on this loop, both under the
+    pool's rules (`InlineRewards`: the same timeout, NaN for a call that raises, hangs or returns a bad value, the
+    same `reward_pool/*` counters), except that a hung thread cannot be killed and holds the GIL as it runs.
 
     With `trainer_scored`, the trainer adds reward columns that need its device: this loop scores its own columns,
     leaves the advantage NaN and attaches `extras[SCORE_PAYLOAD] = {"rows", "columns", "payload"}` (the group's row
@@ -175,6 +176,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         )  # fail at start-up on a bad option, not on the first group
         self._trainer_scored = trainer_scored
         self._reward_timeout = reward_timeout
+        self._inline_rewards = InlineRewards(self.reward_func_names[: len(self.reward_funcs)], reward_timeout)
         self._schedule = GroupSchedule(len(self.dataset), epochs=epochs, seed=seed, shuffle=shuffle)
         self._consumed = frozenset(consumed)
         self._pacing = None if groups_per_step is None else Pacing(groups_per_step, max_staleness)
@@ -441,7 +443,8 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
             completion_ids=group.completions_ids,
             **group.reward_kwargs,
         )
-        columns = await asyncio.gather(*(self._call_reward(i, kwargs) for i in range(len(self.reward_funcs))))
+        scored = await asyncio.gather(*(self._call_reward(i, kwargs) for i in range(len(self.reward_funcs))))
+        columns: list[Sequence[float | None]] = list(scored)
         if self._environments is not None:
             columns.extend(self._environments.rewards_per_type(group.env_rewards))
         if self._provides_rollout_reward:
@@ -452,40 +455,20 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
             table[:, np.asarray(failed, dtype=bool)] = np.nan
         return table
 
-    async def _call_reward(self, index: int, kwargs: dict[str, Any]) -> list[float | None]:
+    async def _call_reward(self, index: int, kwargs: dict[str, Any]) -> list[float]:
         func = self.reward_funcs[index]
-        size = len(kwargs["completions"])
-        if self._pool is not None and not is_async_callable(func):
+        if is_async_callable(func):
+            return await self._inline_rewards.score(index, func, kwargs, is_async=True)
+        if self._pool is not None:
             return await self._pool.score(index, **kwargs)
-        call = func(**kwargs) if is_async_callable(func) else asyncio.to_thread(func, **kwargs)
-        try:
-            result = await asyncio.wait_for(call, timeout=self._reward_timeout)
-        except TimeoutError:
-            self._counters["reward/timeouts_total"] += 1
-            log.warning(
-                "reward %s timed out after %.1f s; its rewards are NaN", get_callable_name(func), self._reward_timeout
-            )
-            return [None] * size
-        except Exception:
-            self._counters["reward/errors_total"] += 1
-            log.exception("reward %s raised; its rewards are NaN", get_callable_name(func))
-            return [None] * size
-        if not isinstance(result, list | tuple) or len(result) != size:
-            self._counters["reward/errors_total"] += 1
-            log.error(
-                "reward %s returned %r, not one reward per completion (%d); its rewards are NaN",
-                get_callable_name(func),
-                result,
-                size,
-            )
-            return [None] * size
-        return list(result)
+        return await self._inline_rewards.score(index, func, kwargs, is_async=False)
 
     def _push_pool_stats(self) -> None:
-        """Send the pool's counters as increments since the last push (TRL sums `*_total` metrics over pushes)."""
-        if self._pool is None:
-            return
-        stats = self._pool.stats()
+        """Send the reward counters (the pool's and the in-process calls', summed under the same names) as increments
+        since the last push (TRL sums `*_total` metrics over pushes)."""
+        stats = self._inline_rewards.stats()
+        if self._pool is not None:
+            stats = {key: value + stats.get(key, 0.0) for key, value in self._pool.stats().items()}
         for key, value in stats.items():
             self._counters[key] += value - self._pool_stats_pushed.get(key, 0.0)
         self._pool_stats_pushed = stats

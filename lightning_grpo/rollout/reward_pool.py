@@ -30,14 +30,13 @@ from typing import Any
 import cloudpickle
 
 from .lifetime import exit_status
+from .reward_calls import ErrorLog, RewardStats, report_failure
 
 log = logging.getLogger(__name__)
 
 _NAN = float("nan")
 #: Seconds a new worker may take to start and load the reward functions.
 STARTUP_TIMEOUT_S = 120.0
-#: Identical errors from one function are logged in full once, then as a count at most this often.
-ERROR_SUMMARY_INTERVAL_S = 60.0
 #: How often a waiting thread re-checks that its worker is alive and the pool is open.
 _POLL_S = 0.5
 # The worker is a fresh interpreter started with the parent's sys.path, so it imports this module and nothing else
@@ -255,68 +254,6 @@ class _Outcome:
     busy_s: float = 0.0  # wall time the call held a worker, over all attempts
 
 
-class _Stats:
-    """Thread-safe counters behind `RewardProcessPool.stats()`."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values = dict.fromkeys(("calls_total", "errors_total", "timeouts_total", "restarts_total", "busy_s"), 0.0)
-
-    def add(self, **increments: float) -> None:
-        with self._lock:
-            for key, value in increments.items():
-                self._values[key] += value
-
-    def as_dict(self) -> dict[str, float]:
-        with self._lock:
-            return {f"reward_pool/{key}": float(value) for key, value in self._values.items()}
-
-
-@dataclass(slots=True)
-class _Seen:
-    """A failure already logged in full: how often it repeated since it was last logged."""
-
-    level: int
-    message: str  # the latest occurrence's message
-    logged_at: float  # time.monotonic() of the last log line
-    repeats: int = 0
-
-
-class _ErrorLog:
-    """Logs the first occurrence of each distinct failure in full, then repeats as a count at most once a minute."""
-
-    def __init__(self, interval_s: float = ERROR_SUMMARY_INTERVAL_S) -> None:
-        self._interval_s = interval_s
-        self._lock = threading.Lock()
-        self._seen: dict[tuple[str, ...], _Seen] = {}
-
-    def report(self, key: tuple[str, ...], level: int, message: str, details: str = "") -> None:
-        now = time.monotonic()
-        with self._lock:
-            seen = self._seen.get(key)
-            if seen is None:
-                self._seen[key] = _Seen(level, message, now)
-            else:
-                seen.repeats, seen.message = seen.repeats + 1, message
-                if now - seen.logged_at < self._interval_s:
-                    return
-                repeats, since = seen.repeats, seen.logged_at
-                seen.repeats, seen.logged_at = 0, now
-        if seen is None:
-            log.log(level, f"{message}\n{details}" if details else message)
-        else:
-            log.log(level, "%s (repeated %d more times in the last %.0f s)", message, repeats, now - since)
-
-    def flush(self) -> None:
-        """Logs the repeats not logged yet (when the pool closes)."""
-        with self._lock:
-            pending = [(seen.level, seen.message, seen.repeats) for seen in self._seen.values() if seen.repeats]
-            for seen in self._seen.values():
-                seen.repeats = 0
-        for level, message, repeats in pending:
-            log.log(level, "%s (repeated %d more times before the pool closed)", message, repeats)
-
-
 class _Slot:
     """One worker process and the thread that feeds it calls; the thread also respawns the worker.
 
@@ -362,13 +299,11 @@ class _Slot:
             self._report_death(call, outcome, retry)
             outcome = retry if retry.kind != "died" else _Outcome("error", busy_s=retry.busy_s)
         if outcome.kind == "timeout":
-            name = self.state.names[call.index]
-            self.state.errors.report(
-                (name, "timeout"),
-                logging.WARNING,
-                f"Reward function {name!r} ran longer than timeout={self.state.timeout:g} s; its worker was killed "
-                "and respawned and the call's rewards are NaN.",
+            message = (
+                f"ran longer than timeout={self.state.timeout:g} s; its worker was killed and respawned and the "
+                "call's rewards are NaN."
             )
+            report_failure(self.state.errors, self.state.names[call.index], "timeout", message)
         return outcome
 
     def _report_death(self, call: _Call, first: _Outcome, retry: _Outcome) -> None:
@@ -492,8 +427,8 @@ class _PoolState:
         self.names = names
         self.func_blobs = func_blobs
         self.timeout = timeout
-        self.stats = _Stats()
-        self.errors = _ErrorLog()
+        self.stats = RewardStats()
+        self.errors = ErrorLog(logger=log)
         self.closing = False
         self.slots: list[_Slot] = []
         self._cond = threading.Condition()
@@ -535,13 +470,7 @@ class _PoolState:
     def finish(self, call: _Call, outcome: _Outcome) -> None:
         """Records the outcome of a call and resolves its future (NaN unless the call succeeded)."""
         if outcome.kind == "error" and outcome.site:
-            name = self.names[call.index]
-            self.errors.report(
-                (name, "error", outcome.site),
-                logging.ERROR,
-                f"Reward function {name!r} failed, its rewards for this call are NaN: {outcome.message}",
-                outcome.details,
-            )
+            report_failure(self.errors, self.names[call.index], "error", outcome.message, outcome.site, outcome.details)
         if outcome.kind != "closed":
             self.stats.add(
                 calls_total=1.0,

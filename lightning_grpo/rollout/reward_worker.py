@@ -1,12 +1,11 @@
 """The reward pool's worker process: a fresh interpreter that loads the reward functions and runs one call at a time.
 
-It imports only the standard library, cloudpickle and `lifetime` (never torch or Lightning), and runs every call on
+It imports only the standard library, cloudpickle, `lifetime` and `reward_results` (never torch or Lightning), and runs every call on
 its main thread, so `signal.alarm` timeouts inside reward functions (math_verify) work.
 """
 
 from __future__ import annotations
 
-import numbers
 import signal
 import traceback
 from collections.abc import Callable
@@ -16,8 +15,7 @@ from typing import Any
 import cloudpickle
 
 from .lifetime import die_with_parent
-
-_NAN = float("nan")
+from .reward_results import Outcome, run_reward
 
 
 def worker_main(argv: list[str]) -> None:
@@ -56,36 +54,5 @@ def _load_funcs(blobs: list[bytes]) -> tuple[list[Callable[..., Any] | None], li
     return funcs, problems
 
 
-def _call(func: Callable[..., Any], size: int, payload: bytes) -> tuple[str, list[float] | None, str, str, str]:
-    """Runs one call; returns (kind, rewards, message, site, traceback) for the parent."""
-    try:
-        result = func(**cloudpickle.loads(payload))
-    except BaseException as err:
-        frame = traceback.extract_tb(err.__traceback__)[-1]
-        return "error", None, f"{type(err).__name__}: {err}", f"{frame.filename}:{frame.lineno}", traceback.format_exc()
-    try:
-        return "ok", _as_rewards(result, size), "", "", ""
-    except Exception as err:
-        return "error", None, str(err), "result", ""
-
-
-def _as_rewards(result: Any, size: int) -> list[float]:
-    values = result.tolist() if hasattr(result, "tolist") else result  # numpy arrays and tensors
-    if not isinstance(values, list | tuple) or len(values) != size:
-        raise TypeError(f"it returned {_short_repr(result)}; expected a list of {size} floats, one per completion.")
-    rewards = []
-    for value in values:
-        if value is None:
-            rewards.append(_NAN)
-        elif isinstance(value, numbers.Real):
-            rewards.append(float(value))
-        else:
-            raise TypeError(
-                f"it returned {_short_repr(result)}, which holds {value!r}; rewards must be floats or None."
-            )
-    return rewards
-
-
-def _short_repr(value: Any, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _call(func: Callable[..., Any], size: int, payload: bytes) -> Outcome:
+    return run_reward(lambda: func(**cloudpickle.loads(payload)), size)

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -87,6 +88,7 @@ class GRPORolloutWorker:
         self._exception_queue = ctx.Queue(maxsize=1)
         self._process: Any = None
         self._failure: str | None = None
+        self._hung = False  # check_health found the heartbeat stale: stop() kills at once
 
     # -- shared counters -------------------------------------------------------------------------------------------
 
@@ -192,6 +194,7 @@ class GRPORolloutWorker:
             raise RuntimeError(f"The rollout child (pid {self._process.pid}) failed: {detail}")
         age = time.time() - self._heartbeat_value.value
         if age > stale_after_s:
+            self._hung = True
             raise RuntimeError(
                 f"The rollout child (pid {self._process.pid}) is hung: no heartbeat for {age:.0f} s "
                 f"(limit {stale_after_s:.0f} s)."
@@ -205,16 +208,26 @@ class GRPORolloutWorker:
         return self._failure
 
     def stop(self) -> None:
-        """End the child and every process under it; idempotent, and safe after a crash."""
+        """End the child and every process under it; idempotent, and safe after a crash.
+
+        A child found hung (`check_health`) is killed at once, without the grace a working child gets to stop: it
+        would only keep the trainer's own exit waiting, which a launcher may cut short (Lightning's kills every rank
+        once one exits with an error), leaving the child behind.
+        """
         process, self._process = self._process, None
         if process is None or process._popen is None:
             return
         descendants = _descendants(process.pid)
         if process.is_alive():
+            # A stopped (SIGSTOP) process acts on nothing, not even SIGTERM, until continued; nor does its
+            # parent-watch thread, and it keeps the forkserver that forked it alive, which keeps it alive in turn.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)
             _set_without_blocking(self._stop_event)
-        process.join(timeout=STOP_GRACE_S)
+        process.join(timeout=0 if self._hung else STOP_GRACE_S)
         if process.is_alive():
-            log.warning("rollout child did not stop within %.0f s; terminating it", STOP_GRACE_S)
+            if not self._hung:
+                log.warning("rollout child did not stop within %.0f s; terminating it", STOP_GRACE_S)
             process.terminate()
             process.join(timeout=2.0)
         if process.is_alive():

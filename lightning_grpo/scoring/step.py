@@ -38,6 +38,7 @@ from .packing import chunk_inputs
 from .trainer_scorer import FILLER_UID, TrainerScorer, decode_extra_uid
 
 if TYPE_CHECKING:
+    from ..contract import RolloutContract
     from ..pipeline.ledger import RolloutProgress
 
 
@@ -381,23 +382,28 @@ def _report(
         progress.exclude(group_id, reason)
 
 
-def score_module_step(module: Any, step: StepBatch, *, scorer_weights: Sequence[float] | None) -> ScoredStep | None:
-    """`score_step` with a `GRPOModule`'s scorers, their `scorer_weights` (None: 1 each) and its data module's
-    contract, progress and group; rank 0 adds the scoring metrics to the step's row. Every rank calls it."""
-    contract, datamodule = module.contract, module.trainer.datamodule
-    weights = list(scorer_weights) if scorer_weights else [1.0] * len(module.scorers)
-    scored = score_step(
+def score_module_step(
+    module: torch.nn.Module,
+    step: StepBatch,
+    contract: RolloutContract,
+    scorers: Sequence[TrainerScorer],
+    scorer_weights: Sequence[float] | None,
+    progress: RolloutProgress | None,
+    group: dist.ProcessGroup | None,
+) -> ScoredStep | None:
+    """`score_step` with `GRPOModule`'s `scorers` (`module` is what their `features` get), their `scorer_weights`
+    (None: 1 each) after the rollout columns' `contract.reward_weights`, and the contract's advantage options; every
+    rank calls it. `progress` is rank 0's ledger, `group` the data module's process group."""
+    weights = list(scorer_weights) if scorer_weights else [1.0] * len(scorers)
+    return score_step(
         module,
         step,
-        scorers=module.scorers,
+        scorers=scorers,
         reward_weights=[*contract.reward_weights, *weights],
         aggregation=contract.multi_objective_aggregation,
         scale_rewards=contract.scale_rewards,
         mask_truncated_completions=contract.mask_truncated_completions,
-        progress=datamodule.progress,
-        group=datamodule.process_group,
+        progress=progress,
+        group=group,
         advantage_estimator=contract.advantage_estimator,
     )
-    if scored is not None and scored.metrics and module.trainer.is_global_zero:
-        module.step_metrics.add(module, scored.metrics)
-    return scored

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .policy import CHECKPOINT_KEY, drop_frozen_weights, missing_trainable_keys, policy_record
-from .reference import ReferenceModel
+from .policy import CHECKPOINT_KEY, drop_frozen_weights, missing_trainable_keys
+from .reference import ReferenceModel, ReferencePolicy
 from .sharding import is_fsdp2
+
+if TYPE_CHECKING:
+    import torch
 
 #: Checkpoint key of the reference model, present once `sync_ref_model` mixed it (it is the initial policy before).
 REFERENCE_KEY = "grpo_reference_model"
@@ -15,38 +18,45 @@ REFERENCE_KEY = "grpo_reference_model"
 METRIC_TOTALS_KEY = "grpo_metric_totals"
 
 
-def save_module_state(module: Any, checkpoint: dict[str, Any], *, dtype: str) -> None:
-    """Every rank: describe the policy (loaded in `dtype` when by name), keep the metric totals, add a mixed
-    reference; with LoRA, keep the adapters and drop the base weights.
+def save_module_state(
+    checkpoint: dict[str, Any],
+    record: dict[str, Any],
+    policy: torch.nn.Module | None,
+    reference: ReferencePolicy | None,
+    metric_totals: dict[str, Any],
+) -> None:
+    """Every rank: add the policy's `record` (`policy_record`), the metric totals (`StepMetrics.state_dict()`) and a
+    mixed reference; with LoRA (a record with a `peft_config`), keep the adapters and drop the base weights.
 
     A sharded (FSDP2) policy's distributed checkpoint keeps the base weights: Lightning's sharded loader asks the
     checkpoint for every tensor of the model, whatever `strict_loading` says.
     """
-    checkpoint[CHECKPOINT_KEY] = policy_record(module.model_name, module.peft_config, dtype)
-    checkpoint[METRIC_TOTALS_KEY] = module.step_metrics.state_dict()
-    if isinstance(module.reference, ReferenceModel) and module.reference.mixed:
-        checkpoint[REFERENCE_KEY] = module.reference.state_dict()
-    if module.peft_config is not None and module.policy is not None and not is_fsdp2(module.policy):
-        checkpoint["state_dict"] = drop_frozen_weights(checkpoint["state_dict"], module.policy, prefix="policy.")
+    checkpoint[CHECKPOINT_KEY] = record
+    checkpoint[METRIC_TOTALS_KEY] = metric_totals
+    if isinstance(reference, ReferenceModel) and reference.mixed:
+        checkpoint[REFERENCE_KEY] = reference.state_dict()
+    if record["peft_config"] is not None and policy is not None and not is_fsdp2(policy):
+        checkpoint["state_dict"] = drop_frozen_weights(checkpoint["state_dict"], policy, prefix="policy.")
 
 
-def load_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
-    """Restore the metric totals and a mixed reference model.
+def load_module_state(
+    checkpoint: dict[str, Any], policy: torch.nn.Module | None, reference: ReferencePolicy | None, *, lora: bool
+) -> dict[str, Any]:
+    """Restore a mixed reference model, and return the metric totals' state (for `StepMetrics.load_state_dict`).
 
     Raises:
-        ValueError: with LoRA, a checkpoint that lacks this policy's adapters (the base weights are not in it).
+        ValueError: with `lora`, a checkpoint that lacks the policy's adapters (the base weights are not in it).
     """
-    module.step_metrics.load_state_dict(checkpoint.get(METRIC_TOTALS_KEY, {}))
-    reference = checkpoint.get(REFERENCE_KEY)
-    if reference is not None and isinstance(module.reference, ReferenceModel):
-        module.reference.load_state_dict(reference)
+    saved_reference = checkpoint.get(REFERENCE_KEY)
+    if saved_reference is not None and isinstance(reference, ReferenceModel):
+        reference.load_state_dict(saved_reference)
     state = checkpoint.get("state_dict")  # none under FSDP2: the strategy loaded every tensor itself, strictly
-    if module.peft_config is None or module.policy is None or state is None:
-        return
-    missing = missing_trainable_keys(state, module.policy, prefix="policy.")
-    if missing:
-        raise ValueError(
-            f"The checkpoint has no {missing[:3]} ({len(missing)} of the policy's adapter tensors are missing): it "
-            "was not written by a GRPOModule with this `peft_config`. Resume with the `peft_config` (and model) "
-            "it was trained with."
-        )
+    if lora and policy is not None and state is not None:
+        missing = missing_trainable_keys(state, policy, prefix="policy.")
+        if missing:
+            raise ValueError(
+                f"The checkpoint has no {missing[:3]} ({len(missing)} of the policy's adapter tensors are missing): "
+                "it was not written by a GRPOModule with this `peft_config`. Resume with the `peft_config` (and "
+                "model) it was trained with."
+            )
+    return checkpoint.get(METRIC_TOTALS_KEY, {})

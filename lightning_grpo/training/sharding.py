@@ -2,9 +2,10 @@
 sync only on a step's last micro-batch.
 
 Every rank trains its own rows of a step (`StepStream` scatters them), so the ranks' gradients must be reduced. DDP
-does it (Lightning wraps the module), FSDP1 does it (Lightning's `strategy="fsdp"` wraps it; GPUs only), and FSDP2
-does it once `shard_policy` applied `fully_shard` under `ModelParallelStrategy` (which also runs on CPU with gloo).
-Anything else on several processes would train one policy per rank, so `check_strategy` refuses it.
+does it (Lightning wraps the module) and FSDP2 does it once `shard_policy` applied `fully_shard` under
+`ModelParallelStrategy`; both are tested on several CPU processes with gloo. Anything else on several processes would
+train one policy per rank, and FSDP1 (`strategy="fsdp"`, which torch runs on GPUs only) and DeepSpeed are untested
+with this module's manual optimization, so `check_strategy` refuses them all.
 """
 
 from __future__ import annotations
@@ -25,17 +26,24 @@ from lightning.pytorch.strategies import (
 
 #: The strategies whose gradient reduction `GRPOModule` works with, for the error message.
 SUPPORTED = (
-    "strategy='ddp' (any device), 'fsdp' (GPUs) or ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)"
+    "strategy='ddp' (any device), or FSDP2 through ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) "
+    "(shards the policy like FSDP; CPU and GPU)"
 )
 
 
 def check_strategy(strategy: Strategy, world_size: int) -> None:
-    """Refuse, at start-up, a strategy under which the policy's gradients would not be reduced across ranks.
+    """Refuse, at start-up, a strategy that `GRPOModule` does not train under.
 
     Raises:
-        ValueError: a multi-process strategy other than DDP, FSDP, DeepSpeed or data-parallel `ModelParallelStrategy`,
-            or `ModelParallelStrategy` with a tensor-parallel dimension (the message names the fix).
+        ValueError: FSDP1 (`FSDPStrategy`, `strategy="fsdp"`) or DeepSpeed at any world size; on several processes a
+            strategy other than DDP or data-parallel `ModelParallelStrategy`, or `ModelParallelStrategy` with a
+            tensor-parallel dimension. The message names what works.
     """
+    if isinstance(strategy, FSDPStrategy | DeepSpeedStrategy):
+        name = "FSDPStrategy (FSDP1)" if isinstance(strategy, FSDPStrategy) else "DeepSpeedStrategy"
+        raise ValueError(
+            f"`{name}` is not supported by GRPOModule (untested with its manual optimization); use {SUPPORTED}."
+        )
     if world_size == 1:
         return
     if isinstance(strategy, ModelParallelStrategy):
@@ -48,7 +56,7 @@ def check_strategy(strategy: Strategy, world_size: int) -> None:
                 f"data_parallel_size={world_size}, tensor_parallel_size=1)."
             )
         return
-    if isinstance(strategy, DDPStrategy | FSDPStrategy | DeepSpeedStrategy):
+    if isinstance(strategy, DDPStrategy):
         return
     raise ValueError(
         f"`{type(strategy).__name__}` on {world_size} processes does not reduce the policy's gradients across ranks "

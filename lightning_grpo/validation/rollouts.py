@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections import defaultdict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,7 +197,7 @@ def generate(
 
 
 def reward_table(
-    batch: ValidationRollouts, function_rewards: dict[str, list[float | None]], names: list[str]
+    batch: ValidationRollouts, function_rewards: Mapping[str, Sequence[float | None]], names: list[str]
 ) -> np.ndarray:
     """`(len(names), len(batch.rows))` rewards in the contract's column order, NaN where not scored; every column is
     NaN for a conversation whose environment failed to reset (as in training)."""

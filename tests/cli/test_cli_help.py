@@ -25,13 +25,6 @@ SMOKE = str(files("lightning_grpo.configs") / "smoke.yaml")
 COMMAND = str(Path(sys.executable).parent / "lightning-grpo")
 
 
-@pytest.fixture
-def in_process(monkeypatch, tmp_path):
-    """Run the command in this process from `tmp_path`, as `lightning-grpo` with no other argv."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["lightning-grpo"])
-
-
 def exits(capsys, args: list[str]) -> tuple[int, str, str]:
     with pytest.raises(SystemExit) as exit_info:
         main(args)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from importlib.resources import files
 from pathlib import Path
 
@@ -18,13 +17,6 @@ import yaml
 from lightning_grpo.cli import cli, main
 
 COUNTDOWN = str(files("lightning_grpo.configs") / "countdown.yaml")
-
-
-@pytest.fixture
-def in_process(monkeypatch, tmp_path):
-    """The command in this process from `tmp_path`, with no other argv (LightningCLI warns when both carry args)."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["lightning-grpo"])
 
 
 @pytest.mark.timeout(120)

@@ -64,7 +64,7 @@ def config(out: Path) -> dict:
         },
         "data": {
             "dataset": str(out / "prompts.jsonl"),
-            "reward_funcs": ["faulty_rewards.char_sum", "faulty_rewards.flaky"],
+            "reward_funcs": ["helpers.fit_rewards.char_sum_reward", "faulty_rewards.flaky"],
             "num_generations": 4,
             "max_completion_length": 8,
             "samples_per_row": 8,
@@ -74,7 +74,8 @@ def config(out: Path) -> dict:
 
 
 def fit(out: Path, *args: str, log: str) -> str:
-    """`python -m lightning_grpo.cli fit ...` from `out` (so `faulty_rewards` imports, as a user's own module)."""
+    """`python -m lightning_grpo.cli fit ...` from `out` (so `faulty_rewards` imports, as a user's own module; the
+    session has `tests/` on its `PYTHONPATH` for `helpers.fit_rewards`)."""
     command = [sys.executable, "-m", "lightning_grpo.cli", "fit", "--config", str(out / "config.yaml"), *args]
     code, output = run_in_session(command, log=out / log, timeout=240, cwd=out)
     assert code == 0, output[-4000:]
@@ -114,7 +115,7 @@ def check_completions(log_dir: Path, rows: pd.DataFrame) -> None:
     faulty = table[table["prompt"].isin(["Say 0.", "Say 1.", "Say 2."])]
     assert len(faulty) and faulty["rewards/flaky"].isna().all()  # not scored: NaN, never 0
     assert (table[~table.index.isin(faulty.index)]["rewards/flaky"] == 1.0).all()
-    assert {"completion", "rewards/char_sum", "advantage", "staleness", "truncated"} <= set(table.columns)
+    assert {"completion", "rewards/char_sum_reward", "advantage", "staleness", "truncated"} <= set(table.columns)
 
 
 def check_tensorboard(log_dir: Path, rows: pd.DataFrame) -> None:

@@ -14,7 +14,6 @@ import json
 import math
 import re
 import struct
-import sys
 from collections.abc import Iterator
 from importlib.resources import files
 from pathlib import Path
@@ -28,13 +27,6 @@ from lightning_grpo.cli import cli
 
 SMOKE = Path(str(files("lightning_grpo.configs") / "smoke.yaml"))
 NOT_METRICS = {"step", "epoch"}
-
-
-@pytest.fixture
-def in_process(monkeypatch, tmp_path):
-    """Run the command in this process from `tmp_path`, as `lightning-grpo` with no other argv."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["lightning-grpo"])
 
 
 def commented_loggers(config: Path, tracker: str) -> list[dict[str, Any]]:

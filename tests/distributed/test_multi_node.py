@@ -8,33 +8,23 @@ same step, and that a job killed mid-fit and started again from its checkpoint t
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers.processes import describe, session_processes
+from helpers.fit_script import rank_results as results
+from helpers.processes import Session, finish_sessions, free_port, kill_sessions, start_session, tails
 
 pytestmark = pytest.mark.slow  # four 2-node jobs of real processes: about three minutes
-TESTS = Path(__file__).resolve().parents[1]
 PROMPTS = 8  # 2 groups per step (one row of one group on each of the 2 ranks): 4 steps
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_config(out: Path, kill_at: int | None = None) -> Path:
-    """The smoke settings on 2 nodes of 1 CPU process, with a checkpoint every step and the step recorder."""
+    """The smoke settings on 2 nodes of 1 CPU process, with a checkpoint every step and the step recorder; no group
+    can be dropped, so exactly once means every group trains once."""
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -59,7 +49,8 @@ def write_config(out: Path, kill_at: int | None = None) -> Path:
             "dataset": "arithmetic",
             "dataset_size": PROMPTS,
             "val_size": 4,
-            "reward_funcs": ["lightning_grpo.rewards.numeric_closeness"],
+            "reward_funcs": ["helpers.fit_rewards.char_sum_reward"],  # a signal in every group: none is dropped
+            "max_staleness": PROMPTS,  # nor is one too stale: every group trains
             "num_generations": 4,
             "max_completion_length": 8,
             "samples_per_row": 4,
@@ -72,44 +63,12 @@ def write_config(out: Path, kill_at: int | None = None) -> Path:
     return path
 
 
-def run_nodes(commands: list[list[str]], envs: list[dict], logs: list[Path], timeout: float) -> list[int]:
-    """Run each node's command in its own session at once; return their exit codes once all ended.
-
-    Fails the test when a node hangs past `timeout`, or when a process of a node's session (its rollout child, its
-    reward workers) outlives it by more than 15 s; every session is SIGKILLed in the end either way.
-    """
-    processes = []
-    for command, env, log in zip(commands, envs, logs, strict=True):
-        with log.open("w") as log_file:
-            environment = dict(os.environ, PYTHONPATH=str(TESTS), PYTHONUNBUFFERED="1", **env)
-            processes.append(
-                subprocess.Popen(
-                    command,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    env=environment,
-                    cwd=log.parent,  # the CLI writes config.yaml and lightning_logs/ here
-                )
-            )
-    try:
-        codes = [p.wait(timeout=timeout) for p in processes]
-        deadline = time.monotonic() + 15
-        while any(session_processes(p.pid) for p in processes) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        leftovers = [describe(q) for p in processes for q in session_processes(p.pid)]
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a node did not end within {timeout} s; logs:\n{tails(logs)}")
-    finally:
-        for p in processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-    assert not leftovers, f"processes left behind: {leftovers}\n{tails(logs)}"
-    return codes
-
-
-def tails(logs: list[Path]) -> str:
-    return "\n".join(f"--- {log.name}\n{log.read_text()[-2500:]}" for log in logs if log.exists())
+def start_nodes(commands: list[list[str]], envs: list[dict], logs: list[Path]) -> list[Session]:
+    """Each node's command in its own session (from its log's folder: the CLI writes config.yaml there)."""
+    return [
+        start_session(command, log=log, cwd=log.parent, env=dict(os.environ, **env))
+        for command, env, log in zip(commands, envs, logs, strict=True)
+    ]
 
 
 def by_hand(config: Path, port: int, *extra: str) -> tuple[list[list[str]], list[dict]]:
@@ -132,10 +91,6 @@ def with_torchrun(config: Path, port: int) -> tuple[list[list[str]], list[dict]]
     return [agent(0), agent(1)], [{}, {}]
 
 
-def results(out: Path) -> dict[int, dict]:
-    return {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in out.glob("rank*.json")}
-
-
 def check_one_job(ranks: dict[int, dict]) -> list[int]:
     """The job's ranks trained one policy on the same steps, ended together, and only rank 0 had a rollout child;
     returns the groups trained, in step order."""
@@ -154,37 +109,30 @@ def check_one_job(ranks: dict[int, dict]) -> list[int]:
 def test_two_localhost_nodes_train_one_policy_and_every_group_once(tmp_path, launch):
     config = write_config(tmp_path / "run")
     commands, envs = launch(config, free_port())
-    codes = run_nodes(commands, envs, [tmp_path / "node0.log", tmp_path / "node1.log"], timeout=360)
-    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    assert codes == [0, 0], tails(logs)
-    trained = check_one_job(results(tmp_path / "run"))
-    assert len(trained) == len(set(trained))  # no group twice
-    assert set(trained) <= set(range(PROMPTS)) and len(trained) >= PROMPTS // 2  # dropped groups are the rest
+    nodes = start_nodes(commands, envs, [tmp_path / "node0.log", tmp_path / "node1.log"])
+    assert finish_sessions(nodes, timeout=360) == [0, 0], tails(nodes)
+    ranks = results(tmp_path / "run")
+    trained = check_one_job(ranks)
+    assert sorted(trained) == list(range(PROMPTS)), ranks[0]["steps"]  # every group trained, none twice
+    assert ranks[0]["consumed"] == list(range(PROMPTS)) and not ranks[0]["dropped"], ranks[0]
 
 
 @pytest.mark.timeout(600)
 def test_a_two_node_job_killed_mid_fit_and_started_again_trains_the_remaining_groups_once(tmp_path):
     kill_at = 2
-    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     commands, envs = by_hand(write_config(tmp_path / "run1", kill_at=kill_at), free_port())
-    first = [subprocess.Popen(c, stdout=logs[i].open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                              env=dict(os.environ, PYTHONPATH=str(TESTS), **envs[i]), cwd=tmp_path)
-             for i, c in enumerate(commands)]  # fmt: skip
+    first = start_nodes(commands, envs, [tmp_path / "node0.log", tmp_path / "node1.log"])
     try:
-        assert first[0].wait(timeout=300) == -signal.SIGKILL, tails(logs)  # node 0 died at the start of step 3
+        assert first[0].process.wait(timeout=300) == -signal.SIGKILL, tails(first)  # node 0 died at step 3's start
     finally:
-        for p in first:  # the scheduler ends the rest of the job
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        kill_sessions(first)  # the scheduler ends the rest of the job
     killed = results(tmp_path / "run1")
     before = [g for step in killed[0]["steps"][:kill_at] for g in step]
     checkpoint = next((tmp_path / "run1" / "ckpt").glob(f"*step={kill_at}.ckpt"))
 
     commands, envs = by_hand(write_config(tmp_path / "run2"), free_port(), "--ckpt_path", str(checkpoint))
-    logs = [tmp_path / "resume0.log", tmp_path / "resume1.log"]
-    assert run_nodes(commands, envs, logs, timeout=360) == [0, 0], tails(logs)
+    resumed = start_nodes(commands, envs, [tmp_path / "resume0.log", tmp_path / "resume1.log"])
+    assert finish_sessions(resumed, timeout=360) == [0, 0], tails(resumed)
     after = check_one_job(results(tmp_path / "run2"))
     assert before and after
-    assert not set(before) & set(after), (before, after)  # nothing trained twice across the restart
-    assert len(after) == len(set(after))
+    assert sorted(before + after) == list(range(PROMPTS)), (before, after)  # every group once across the restart

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 
 def char_sum_reward(completions, **kwargs):
@@ -66,3 +67,17 @@ def environment_mark(completions, **kwargs):
 
     mark = float(os.environ["LIGHTNING_GRPO_TEST_MARK"])
     return [mark + len(c[0]["content"]) / 1000 for c in completions]
+
+
+def hangs_on_say_0(completions, prompts, **kwargs):
+    """Blocks for an hour on the prompt "Say 0." (past any test's `reward_timeout`), else `char_sum_reward`."""
+    if "Say 0." in str(prompts[0]):
+        time.sleep(3600)
+    return char_sum_reward(completions)
+
+
+async def async_raises_on_say_1(completions, prompts, **kwargs):
+    """An `async def` reward that raises on the prompt "Say 1.", else the completion's length."""
+    if "Say 1." in str(prompts[0]):
+        raise RuntimeError("async_raises_on_say_1 raised on cue")
+    return char_count_reward(completions)

@@ -39,6 +39,21 @@ def drained_rate(worker, key: str, settle_s: float = 1.0) -> tuple[float, float]
             total[1] += payload[key][1]
 
 
+def counters_until(worker, expected: dict[str, float], timeout: float = 60.0) -> dict[str, float]:
+    """Sum the counters (`*_total`) the child sent to `worker.metrics_queue` until each of `expected` reached its value
+    (or `timeout` s passed); returns the sums of those keys."""
+    totals = dict.fromkeys(expected, 0.0)
+    deadline = time.monotonic() + timeout
+    while any(totals[key] < value for key, value in expected.items()) and time.monotonic() < deadline:
+        try:
+            payload = worker.metrics_queue.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        for key in totals:
+            totals[key] += float(payload.get(key, 0.0))
+    return totals
+
+
 def groups_per_version(worker, sync, models, per_version: int = 2, timeout: float = 180.0):
     """Publish each of `models` in turn through `sync` (the first one already pushed) and let `per_version` groups in
     after each push: for a worker paced by `groups_per_step=per_version`, `max_staleness=0`. Returns the groups."""

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.processes import run_in_session, session_env
+from preemption_helpers import rank_zero
 
 from lightning_grpo.training.checkpoint_io import AtomicCheckpointIO, read_checkpoint, use_atomic_checkpoints
 
@@ -22,21 +23,17 @@ QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches"
 QUIET += ["--trainer.val_check_interval", "null", "--trainer.logger", "false"]
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
-    return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
-
-
-def _fit(cwd: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _fit(cwd: Path, *extra: str, timeout: float = 300) -> tuple[int, str]:
+    """`lightning-grpo fit` on the smoke config in its own session (a hang or a process left behind fails)."""
     command = [sys.executable, "-m", "lightning_grpo.cli", "fit", "--config", SMOKE, *QUIET, *extra]
-    return subprocess.run(command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return run_in_session(command, log=cwd / "fit.log", timeout=timeout, cwd=cwd, paths=[HERE])
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """`last.ckpt` of a real 2-step smoke fit (4 of its 8 groups trained)."""
     folder = tmp_path_factory.mktemp("fit")
-    result = _fit(
+    code, output = _fit(
         folder,
         "--trainer.enable_checkpointing=true",
         "--trainer.callbacks+=ModelCheckpoint",
@@ -44,7 +41,7 @@ def checkpoint(tmp_path_factory) -> Path:
         "--trainer.callbacks.save_last=true",
         "--trainer.max_steps=2",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert code == 0, output[-3000:]
     return folder / "ckpts" / "last.ckpt"
 
 
@@ -118,8 +115,8 @@ def test_harmless_changes_resume_and_allow_changed_data_starts_a_new_ledger(chec
     built = cli(["--config", SMOKE, *harmless, "--data.epochs", "2"], run=False)
     check_resume(str(checkpoint), built.datamodule, built.trainer.world_size)  # the ledger's ids keep their prompts
 
-    log = tmp_path / "groups.jsonl"
-    result = _fit(
+    out = tmp_path / "recorded"
+    code, output = _fit(
         tmp_path,
         "--ckpt_path",
         str(checkpoint),
@@ -127,18 +124,15 @@ def test_harmless_changes_resume_and_allow_changed_data_starts_a_new_ledger(chec
         "1",
         "--data.allow_changed_data",
         "true",
-        "--trainer.callbacks+=preemption_helpers.GroupLog",
-        f"--trainer.callbacks.path={log}",
+        "--trainer.callbacks+=helpers.fit_probe.StepRecorder",
+        f"--trainer.callbacks.out={out}",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "its prompt-group ledger is dropped and a new one starts, so all 8 groups" in result.stderr
-    import json
-
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    summary = records[-1]["summary"]
-    trained = [g for r in records[:-1] for g in r["groups"]]
+    assert code == 0, output[-3000:]
+    assert "its prompt-group ledger is dropped and a new one starts, so all 8 groups" in output
+    record = rank_zero(out)
+    trained = [g for step in record["steps"] for g in step]
     assert len(trained) == len(set(trained))
-    assert len(trained) + summary["groups_dropped"] == 8, records  # every group of the new ledger, not 4 left
+    assert len(trained) + record["summary"]["groups_dropped"] == 8, record  # every group of the new ledger, not 4 left
 
 
 def test_atomic_checkpoint_io_replaces_only_lightnings_default():
@@ -179,7 +173,7 @@ def test_kill_at_any_moment_of_a_save_leaves_the_previous_checkpoint_loadable(ch
             [sys.executable, "-c", _SAVER, str(checkpoint), str(target)],
             stdout=subprocess.PIPE,
             text=True,
-            env=_env(),
+            env=session_env(paths=[HERE]),
         )
         try:
             started = [saver.stdout.readline() for _ in range(2 + attempt % 2)]  # at least one save finished

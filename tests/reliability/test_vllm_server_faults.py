@@ -9,14 +9,14 @@ is not installed.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
 
 import pytest
 import yaml
-from preemption_helpers import REPO, finish, start_fit, wait_for
+from helpers.processes import finish_sessions, wait_until
+from preemption_helpers import REPO, rank_zero, start_fit
 
 from lightning_grpo.serving.vllm_launcher import VLLMServer, free_port, vllm_unavailable_reason
 from lightning_grpo.training.checkpoint_io import read_checkpoint
@@ -52,21 +52,17 @@ def config(tmp_path: Path, name: str, url: str) -> Path:
     return path
 
 
-def rank_zero(run: Path) -> dict:
-    path = run / "rank0.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
 @pytest.mark.timeout(1200)
 def test_a_server_killed_mid_fit_ends_both_ranks_naming_it_and_a_restart_at_its_url_serves_the_resume(tmp_path):
     port = free_port()
     server = VLLMServer("tiny-random", port=port, ready_timeout_s=600).start()
     try:
-        process, out = start_fit(tmp_path, config(tmp_path, "run1", server.url))
-        wait_for(lambda: rank_zero(tmp_path / "run1").get("global_step", 0) >= 2, process, out, timeout=600)
+        fit = start_fit(tmp_path, config(tmp_path, "run1", server.url))
+        run1 = tmp_path / "run1"
+        wait_until(lambda: rank_zero(run1).get("global_step", 0) >= 2, [fit], timeout=600, what="step 2")
         os.killpg(server.pid, signal.SIGKILL)
-        assert finish(process, out, timeout=300) == 1, out.read_text()[-3000:]  # every rank ended, none left
-        text = out.read_text()
+        assert finish_sessions([fit], timeout=300) == [1], fit.output()  # every rank ended, none left
+        text = fit.log.read_text()
         assert server.url in text, text[-3000:]  # a request ("vLLM server at URL") or a weight push ("POST URL/...")
         killed = rank_zero(tmp_path / "run1")
         assert not killed["ended"]
@@ -78,8 +74,8 @@ def test_a_server_killed_mid_fit_ends_both_ranks_naming_it_and_a_restart_at_its_
 
         server = VLLMServer("tiny-random", port=port, ready_timeout_s=600).start()  # the same URL
         resume = config(tmp_path, "run2", server.url)
-        process, out = start_fit(tmp_path, resume, "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"))
-        assert finish(process, out, timeout=600) == 0, out.read_text()[-3000:]
+        fit = start_fit(tmp_path, resume, "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"))
+        assert finish_sessions([fit], timeout=600) == [0], fit.output()
         resumed = rank_zero(tmp_path / "run2")
         after = [g for step in resumed["steps"] for g in step]
         assert resumed["ended"] and after, resumed

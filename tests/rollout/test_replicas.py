@@ -16,10 +16,10 @@ import time
 import lightning.pytorch as pl
 import psutil
 import pytest
-from datasets import Dataset
 from helpers.fit_rewards import char_count_reward
 from helpers.rollouts import check_sampled_by, groups_per_version
 from helpers.tiny import cpu_trainer
+from helpers.tiny import tiny_prompts as prompts
 
 from lightning_grpo.models import tiny_llama
 from lightning_grpo.rollout.balancing import current_group
@@ -32,10 +32,6 @@ from lightning_grpo.weights.sync import WeightSync
 
 MODEL = "tiny-random"
 HEARTBEAT_S = 120.0  # the fits' heartbeat_timeout: a silent replica is lost after half of it
-
-
-def prompts(n: int) -> Dataset:
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}."}] for i in range(n)]})
 
 
 def replica_processes(worker: GRPORolloutWorker) -> dict[int, psutil.Process]:

@@ -1,18 +1,14 @@
-"""Reward functions for the command-line fault run (tests/test_run_logging.py), imported by path as the CLI does.
+"""A reward function for the command-line fault run (tests/cli/test_run_logging.py), imported by path as the CLI does.
 
-`char_sum` varies with every character, so a random policy's groups carry a learning signal; `flaky` reads the
-dataset's `fault` column and misbehaves on cue: it raises, hangs past the reward timeout, or kills its worker process
-(every time, so the pool's retry dies too). Otherwise it scores a constant 1.
+`flaky` reads the dataset's `fault` column and misbehaves on cue: it raises, hangs past the reward timeout, or kills
+its worker process (every time, so the pool's retry dies too). Otherwise it scores a constant 1. The run's other
+reward, which gives its groups a learning signal, is `helpers.fit_rewards.char_sum_reward`.
 """
 
 from __future__ import annotations
 
 import os
 import time
-
-
-def char_sum(completions, **kwargs):
-    return [sum(map(ord, c[0]["content"])) % 97 / 97 for c in completions]
 
 
 def flaky(completions, fault, **kwargs):

@@ -236,8 +236,10 @@ def test_weight_push_makes_the_next_completions_follow_the_new_weights_including
 def test_push_while_requests_are_in_flight_loses_none_and_each_token_matches_the_weights_that_sampled_it(
     vllm_server, transfer
 ):
+    """A round sends 12 long requests and pushes new weights once every request is decoding. On a busy machine the
+    server's API process, which counts the tokens and answers, can lag its engine so far that the engine has finished
+    every request before the push: such a round shows nothing, so up to 3 rounds run (each one's tokens checked)."""
     old, new = tiny_llama(seed=0), tiny_llama(seed=1)
-    push(transfer, old, version=1)
     prompts_ids = [[2, 40 + i, 41 + i, 42 + i, 3, 2] for i in range(12)]
     max_tokens = 1000  # as long as max_model_len allows, so the requests outlast the push on a busy machine
 
@@ -246,37 +248,48 @@ def test_push_while_requests_are_in_flight_loses_none_and_each_token_matches_the
         lines = [line for line in metrics.splitlines() if line.startswith("vllm:generation_tokens_total")]
         return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
-    before = generated_tokens()
-    started = time.monotonic()
-    with ThreadPoolExecutor(len(prompts_ids)) as pool:
-        futures = [pool.submit(complete, vllm_server.url, p, max_tokens, 1.0, ignore_eos=True) for p in prompts_ids]
-        deadline = time.monotonic() + 120
-        while generated_tokens() - before < 12 * 20:  # every request is decoding
-            assert time.monotonic() < deadline and not any(f.done() for f in futures)
-            time.sleep(0.05)
-        push_started = time.monotonic()
-        push(transfer, new, version=2)
-        push_s = time.monotonic() - push_started
-        done_during_push = sum(f.done() for f in futures)
-        choices = [f.result() for f in futures]
-    requests_s = time.monotonic() - started
+    def push_during_requests(version: int) -> tuple[int, str]:
+        """Requests sampled by `old`, `new` pushed as `version` meanwhile: how many switched weights, and when."""
+        push(transfer, old, version=version - 1)
+        before = generated_tokens()
+        started = time.monotonic()
+        with ThreadPoolExecutor(len(prompts_ids)) as pool:
+            futures = [pool.submit(complete, vllm_server.url, p, max_tokens, 1.0, ignore_eos=True) for p in prompts_ids]
+            deadline = time.monotonic() + 120
+            while generated_tokens() - before < 12 * 20:  # every request is decoding
+                assert time.monotonic() < deadline and not any(f.done() for f in futures)
+                time.sleep(0.05)
+            push_started = time.monotonic()
+            push(transfer, new, version=version)
+            push_s = time.monotonic() - push_started
+            done_during_push = sum(f.done() for f in futures)
+            choices = [f.result() for f in futures]
+        requests_s = time.monotonic() - started
 
-    switched = 0
-    for prompt, choice in zip(prompts_ids, choices, strict=True):
-        ids, logprobs = choice["token_ids"], torch.tensor(choice["logprobs"]["token_logprobs"])
-        assert len(ids) == len(logprobs) == max_tokens  # nothing lost, nothing cut short
-        old_error = (teacher_forced_logprobs(old, prompt, ids) - logprobs).abs()
-        new_error = (teacher_forced_logprobs(new, prompt, ids) - logprobs).abs()
-        by_old, by_new = old_error <= TOLERANCE, new_error <= TOLERANCE
-        assert (by_old | by_new).all(), "a token's logprob matches neither the old nor the new weights"
-        # A token can match both (the random models are near-uniform), so take the longest old prefix as the switch.
-        switch = int((~by_old).long().argmax()) if not by_old.all() else max_tokens
-        assert by_new[switch:].all(), f"old and new weights interleave after token {switch}"
-        switched += 0 < switch < max_tokens
-    assert switched > 0, (
-        f"the push did not land while requests were in flight: it took {push_s:.2f} s, started "
-        f"{push_started - started:.2f} s into {requests_s:.2f} s of requests, {done_during_push} of them done by its end"
-    )
+        switched = 0
+        for prompt, choice in zip(prompts_ids, choices, strict=True):
+            ids, logprobs = choice["token_ids"], torch.tensor(choice["logprobs"]["token_logprobs"])
+            assert len(ids) == len(logprobs) == max_tokens  # nothing lost, nothing cut short
+            old_error = (teacher_forced_logprobs(old, prompt, ids) - logprobs).abs()
+            new_error = (teacher_forced_logprobs(new, prompt, ids) - logprobs).abs()
+            by_old, by_new = old_error <= TOLERANCE, new_error <= TOLERANCE
+            assert (by_old | by_new).all(), "a token's logprob matches neither the old nor the new weights"
+            # A token can match both (the random models are near-uniform), so take the longest old prefix as the switch.
+            switch = int((~by_old).long().argmax()) if not by_old.all() else max_tokens
+            assert by_new[switch:].all(), f"old and new weights interleave after token {switch}"
+            switched += 0 < switch < max_tokens
+        return switched, (
+            f"the push took {push_s:.2f} s, started {push_started - started:.2f} s into {requests_s:.2f} s of "
+            f"requests, {done_during_push} of them done by its end"
+        )
+
+    rounds = []
+    for version in (2, 4, 6):
+        switched, when = push_during_requests(version)
+        rounds.append(when)
+        if switched:
+            break
+    assert switched > 0, "the push did not land while requests were in flight in any round: " + "; ".join(rounds)
 
 
 # -- LoRA policies: merged pushes (only the adapted modules after the first) and adapter-only pushes ------------------

@@ -1,8 +1,10 @@
-"""The GRPO family against TRL 1.16's own `GRPOTrainer._compute_loss`, called on the same per-token
-log-probabilities, advantages and masks (`tests/trl_grpo.py`): the per-step loss, the gradient of every parameter
-(each token's log-probability and entropy) and the loss metrics match to 1e-6 in fp32 wherever the two normalise
-alike (one process, one micro-batch); over several micro-batches the difference is exactly the normaliser. The
-generator-mismatch weights come from TRL's `_generate_and_score_completions` on the same log-probabilities.
+"""The GRPO family's formulas against TRL 1.16's own `GRPOTrainer._compute_loss` (of a trainer built by its
+`__init__`), called on the same given per-token log-probabilities, advantages and masks, spread so that ratios fall
+inside and outside every clip and mask (tests/helpers/trl_grpo.py): the per-step loss, the gradient of every
+parameter (each token's log-probability and entropy) and every loss metric TRL logs (`LOSS_METRICS`) match to 1e-6 in
+fp32 wherever the two normalise alike (one process, one micro-batch); over several micro-batches the difference is
+exactly the normaliser. The generator-mismatch weights come from TRL's `_generate_and_score_completions` on the same
+log-probabilities. `test_trl_trainer_parity.py` compares a real `GRPOTrainer.train()` step on the tiny model.
 """
 
 from __future__ import annotations
@@ -11,7 +13,15 @@ import itertools
 
 import pytest
 import torch
-from helpers.trl_grpo import LogprobsModel, generate_and_score, grpo_trainer, loss_inputs, padded, trl_loss
+from helpers.trl_grpo import (
+    LOSS_METRICS,
+    LogprobsModel,
+    generate_and_score,
+    grpo_trainer,
+    loss_inputs,
+    padded,
+    trl_loss,
+)
 
 from lightning_grpo.training.loss import LossTerms, Normalizers, high_entropy_mask, policy_loss
 from lightning_grpo.training.loss_options import LossOptions
@@ -128,7 +138,7 @@ def trl_importance_ratio(trainer, sub: dict, samples: list[int]) -> torch.Tensor
     ]
 
 
-def compare(options: dict, data: dict | None = None, metrics: bool = True) -> None:
+def compare(options: dict, data: dict | None = None) -> None:
     """One process, one micro-batch: TRL's loss, gradients and metrics against ours."""
     data = data or tensors()
     trainer = grpo_trainer(**trl_options(**options))
@@ -145,11 +155,19 @@ def compare(options: dict, data: dict | None = None, metrics: bool = True) -> No
     torch.testing.assert_close(got, expected, **TOLERANCE)
     for name in ("logprobs", "entropy"):
         torch.testing.assert_close(getattr(our_model, name).grad, getattr(trl_model, name).grad, **TOLERANCE)
-    if metrics:
-        ours_metrics = stats.metrics()
-        for name, values in trainer._metrics["train"].items():
-            if name in ours_metrics:
-                assert ours_metrics[name] == pytest.approx(values[-1], rel=1e-6, abs=1e-6, nan_ok=True), name
+    assert_logged_metrics_are_ours(trainer._metrics["train"], stats.metrics(), options)
+
+
+def assert_logged_metrics_are_ours(logged: dict[str, list[float]], ours: dict[str, float], options: dict) -> None:
+    """Every metric TRL's `_compute_loss` logged is ours (`LOSS_METRICS`) and equal; `entropy_coef` is the option
+    `GRPOModule` logs."""
+    for name, values in logged.items():
+        if name == "entropy_coef":
+            assert values[-1] == options.get("entropy_coef", 0.0)
+            continue
+        assert name in LOSS_METRICS, f"TRL logs {name!r}, which LOSS_METRICS (tests/helpers/trl_grpo.py) lacks"
+        assert LOSS_METRICS[name] in ours, f"TRL logs {name!r}, ours has no {LOSS_METRICS[name]!r}"
+        assert ours[LOSS_METRICS[name]] == pytest.approx(values[-1], rel=1e-6, abs=1e-6, nan_ok=True), name
 
 
 @pytest.mark.parametrize(

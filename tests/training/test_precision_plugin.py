@@ -2,10 +2,14 @@
 faster, 32-true where not, decided under a real `Trainer.fit` (replayed steps, no rollout child).
 
 The probe's verdict is replaced in two tests, so that both choices are exercised on any machine; the replacement is a
-real `PrecisionVerdict`, as the probe returns it. One test asks the real probe.
+real `PrecisionVerdict`, as the probe returns it. One test checks the real probe's choice against the CPU's bf16 flags
+and a timing of the trainer's own products.
 """
 
 from __future__ import annotations
+
+import platform
+import time
 
 import lightning.pytorch as pl
 import pytest
@@ -57,10 +61,55 @@ def test_choose_precision_follows_the_probe_on_cpu(probed):
     assert reason == verdict(probed).reason
 
 
-def test_choose_precision_asks_the_real_probe_on_this_machine(unpinned_precision):
+def bf16_hardware_verdict() -> str | None:
+    """The precision torch's own CPU feature checks imply, without timing anything: "bf16-mixed" with AMX or
+    AVX512_BF16 (bf16 products several times faster than fp32), "32-true" on an x86 CPU whose best kernels are AVX2 or
+    older (bf16 emulated through fp32 conversions), None where the flags do not settle it (AVX512 without bf16, Arm)."""
+    if getattr(torch.cpu, "_is_amx_tile_supported", bool)() or getattr(torch.cpu, "_is_avx512_bf16_supported", bool)():
+        return "bf16-mixed"
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return "32-true" if x86 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT") else None
+
+
+def trainer_matmul_speedup(reps: int = 15) -> float:
+    """How many times faster bf16 autocast (bf16-mixed) runs a training step's product than fp32 (32-true): one
+    linear layer's forward and weight gradient at a packed row of 1024 tokens through SmolLM2's 576 -> 1536 MLP
+    projection (fp32 master weight). On one thread: a product split over threads waits for the slowest, so on a busy
+    machine several threads time the load, not the kernel. The two are timed in turns and each keeps its fastest
+    pass, so that another process's load, which only slows a pass, hits both alike."""
+    tokens = torch.randn(1024, 576)
+    weight = torch.randn(1536, 576, requires_grad=True)
+
+    def seconds(bf16_autocast: bool) -> float:
+        started = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+            out = torch.nn.functional.linear(tokens, weight)
+        out.float().sum().backward()
+        return time.perf_counter() - started
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds(False), seconds(True)  # warm-up: oneDNN picks and caches its kernels
+        fp32, bf16 = zip(*((seconds(False), seconds(True)) for _ in range(reps)), strict=True)
+    finally:
+        torch.set_num_threads(threads)
+    return min(fp32) / min(bf16)
+
+
+def test_the_real_choice_agrees_with_the_cpus_bf16_flags_and_a_timing_of_the_trainers_products(unpinned_precision):
+    """The real probe's choice, checked against what it does not read: torch's CPU feature checks, and the speed of
+    the products the trainer runs (a training row's forward and backward under autocast, which casts the fp32 master
+    weight at each pass; the probe times one decode-sized product of tensors already in bf16)."""
     precision, reason = choose_precision(torch.device("cpu"))
-    real = probe.probe_matmul_precision()
-    assert precision == ("bf16-mixed" if real.dtype == "bfloat16" else "32-true") and reason == real.reason
+    expected = bf16_hardware_verdict()
+    flags = f"capability {torch.backends.cpu.get_cpu_capability()}, implied {expected}"
+    assert expected is None or precision == expected, f"chose {precision} ({reason}); {flags}"
+    speedup = trainer_matmul_speedup()
+    if precision == "bf16-mixed":
+        assert speedup > 1.0, f"bf16-mixed chosen ({reason}), yet the trainer's products run {1 / speedup:.2f}x slower"
+    else:  # 2x: above the probe's threshold with room for a shape that favours bf16 a little more than the probe's
+        assert speedup < 2.0, f"32-true chosen ({reason}), yet the trainer's products run {speedup:.1f}x faster in bf16"
 
 
 @pytest.mark.timeout(120)

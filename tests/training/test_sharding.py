@@ -1,7 +1,8 @@
 """Sharded training: FSDP2 under `ModelParallelStrategy` on 2 CPU processes (gloo) trains one policy, equal to a
 1-process run on the same steps (with a reference model, sharded, mixed by TR-DPO and resumed from the checkpoint),
 keeps the generator on the trained weights, ends by itself and resumes; strategies that would not synchronise
-gradients are refused at start-up.
+gradients, and FSDP1 and DeepSpeed (untested here: torch runs FSDP1 on GPUs only, DeepSpeed is not installed),
+are refused at start-up.
 
 The 2-process runs are `tests/scripts/fit_tiny.py` in their own process session (see `test_fit_processes.py`); the
 1-process run replays their recorded micro-batches through a real `Trainer.fit` of `GRPOModule`, fed by
@@ -98,6 +99,38 @@ def test_model_parallel_with_a_tensor_parallel_mesh_is_refused_at_start_up_on_ev
         error = results[rank]["error"]
         assert "tensor_parallel_size=2" in error and "data_parallel_size=2, tensor_parallel_size=1" in error, error
         assert results[rank]["global_step"] == 0
+
+
+@pytest.mark.timeout(200)
+def test_fsdp1_is_refused_at_start_up_on_every_rank_naming_what_works(tmp_path):
+    """FSDP1 (Lightning's `FSDPStrategy`, here a subclass that gets past Lightning's GPU-only check) is refused
+    before the policy is wrapped or anything is generated: torch runs FSDP1 on GPUs only, where this module's manual
+    optimization is untested."""
+    code, results = run_fit(tmp_path, "--devices", "2", "--strategy", "fsdp1", "--prompts", "4")
+    assert code != 0
+    for rank in (0, 1):
+        error = results[rank]["error"]
+        assert error.startswith("ValueError: `FSDPStrategy (FSDP1)` is not supported by GRPOModule"), error
+        assert (
+            "strategy='ddp'" in error and "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)" in error
+        )
+        assert results[rank]["global_step"] == 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("kind", ["fsdp1", "deepspeed"])
+def test_fsdp1_and_deepspeed_are_refused_in_one_line_naming_what_works(kind, world_size):
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    # DeepSpeed is not installed here, and its strategy refuses to be built without it: the check reads the type only
+    strategy = FSDPStrategy() if kind == "fsdp1" else DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    with pytest.raises(ValueError, match="is not supported by GRPOModule") as refused:
+        check_strategy(strategy, world_size=world_size)
+    message = str(refused.value)
+    assert "\n" not in message and ("FSDP1" in message if kind == "fsdp1" else "DeepSpeedStrategy" in message)
+    assert (
+        "strategy='ddp'" in message and "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)" in message
+    )
 
 
 def test_a_multi_process_strategy_that_does_not_reduce_gradients_is_refused():
