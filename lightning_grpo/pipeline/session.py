@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..data.tooling import ConversationSpec
-from ..options import AdvantageEstimator, DataModuleOptions, LoopOptions, ScaleRewards
+from ..options import AdvantageEstimator, DataModuleOptions, LoopOptions, SamplingOptions, ScaleRewards
 from ..serving.server_urls import server_stale_after_s
 from .collating import ProgressCollator
 from .ledger import RolloutProgress
@@ -165,12 +165,7 @@ def loop_options(
         num_generations=sampling.num_generations,
         max_inflight_tasks=(steps.max_staleness + 1) * session.groups_per_step * sampling.num_generations,
         max_tokens=sampling.max_completion_length,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        min_p=sampling.min_p,
-        repetition_penalty=sampling.repetition_penalty,
-        stop=sampling.stop,
+        **_sampling_arguments(sampling),
         vllm_server_url=vllm.vllm_server_url,
         vllm_failover=vllm.vllm_failover,
         vllm_lost=session.vllm_lost,
@@ -240,12 +235,7 @@ def embedded_generator_spec(
     spec = GeneratorSpec(
         PolicySpec.from_model(policy, dtype),
         eos_token_ids=tuple(eos),
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        min_p=sampling.min_p,
-        repetition_penalty=sampling.repetition_penalty,
-        stop=sampling.stop,
+        **_sampling_arguments(sampling),
         tokenizer=tokenizer if sampling.stop else None,
         max_tokens=sampling.max_completion_length,
         max_batch_size=max(sampling.num_generations, 64),
@@ -293,3 +283,15 @@ def start_rollout_session(datamodule: Any, module: Any, make_collator: CollatorF
         generator=embedded_generator_spec(options, module.policy, eos, datamodule.tokenizer, receiver),
         interrupted=lambda: datamodule.trainer.received_sigterm,  # Lightning's SIGTERM flag (PreemptionCallback)
     )
+
+
+def _sampling_arguments(sampling: SamplingOptions) -> dict[str, Any]:
+    """What the rollout loop and the embedded generator both take from the sampling options, by their names."""
+    return {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "repetition_penalty": sampling.repetition_penalty,
+        "stop": sampling.stop,
+    }
