@@ -44,6 +44,7 @@ SERIES += ("processes", "shm_segments")
 SHOWN = ("dev_shm_all", "trainer_heap_in_use_mb", "trainer_heap_free_mb")
 COUNTERS = ("reward_pool/calls_total", "reward_pool/errors_total", "reward_pool/timeouts_total")
 COUNTERS += ("reward_pool/restarts_total",)
+DROPPED = "progress/dropped_"  # the groups dropped, by reason (a collapsed policy's groups have no signal)
 #: How far the trainer's median RSS over the run's last quarter may exceed its median over the second quarter.
 RSS_GROWTH_MB, RSS_GROWTH_FRAC = 16.0, 0.02
 
@@ -257,7 +258,8 @@ def fit(args: argparse.Namespace) -> tuple[list[dict[str, float]], dict[str, flo
             pass
 
         def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-            self.last.update({k: float(v) for k, v in metrics.items() if k in COUNTERS})
+            kept = {k: float(v) for k, v in metrics.items() if k in COUNTERS or k.startswith(DROPPED)}
+            self.last.update(kept)
 
     epochs = max(1, math.ceil(args.steps * GROUPS_PER_STEP / args.prompts))
     datamodule = GRPODataModule(
@@ -344,6 +346,9 @@ def report(args: argparse.Namespace, rows: list[dict[str, float]], counters: dic
         "rss_quarters": rss_quarters(rows),
         "faults": faults,
         "restarts": counters.get("reward_pool/restarts_total"),
+        "dropped": {
+            k.removeprefix(DROPPED).removesuffix("_total"): v for k, v in counters.items() if k.startswith(DROPPED)
+        },
         "all_flat": all(v["flat"] for v in verdicts),
         "every_fault_counted": all(f["expected"] == f["counted"] for f in faults.values()),
     }
@@ -388,7 +393,7 @@ def print_report(result: dict) -> None:
     print("\n| fault counter | expected | counted |\n|---|---|---|")
     for name, f in result["faults"].items():
         print(f"| {name} | {f['expected']} | {f['counted']} |")
-    print(f"\nworkers restarted: {result['restarts']}")
+    print(f"\nworkers restarted: {result['restarts']}; groups dropped: {result['dropped'] or 'none'}")
     print(f"verdict: {'flat' if result['all_flat'] else 'GROWS'}; "
           f"{'every fault counted' if result['every_fault_counted'] else 'FAULTS MISCOUNTED'}")  # fmt: skip
 
