@@ -190,10 +190,14 @@ def allocation_watch(first_step: int, frames: int) -> Any:
             self.marks: list[dict[str, Any]] = []
 
         def mark(self, step: float) -> None:
-            traced_mb = tracemalloc.get_traced_memory()[0] / 2**20
+            # Both marks measure with exactly the first snapshot held, so the snapshots' own memory cancels out.
+            first = self.snapshot() if not self.marks else None
+            figures = {"traced_mb": tracemalloc.get_traced_memory()[0] / 2**20, **heap_figures()}
+            self.marks.append({"step": step, "snapshot": first or self.snapshot(), **figures})
+
+        def snapshot(self) -> tracemalloc.Snapshot:
             ignored = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen importlib*")]
-            snapshot = tracemalloc.take_snapshot().filter_traces(ignored)
-            self.marks.append({"step": step, "snapshot": snapshot, "traced_mb": traced_mb, **heap_figures()})
+            return tracemalloc.take_snapshot().filter_traces(ignored)
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             tracemalloc.start(frames)

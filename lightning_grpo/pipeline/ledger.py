@@ -69,9 +69,10 @@ def _rollout_stop(error: str | None, stalled: bool, preempted: bool) -> RolloutS
 class GroupIdSet(MutableSet[int]):
     """A set of group ids (non-negative ints) kept as a bitmap: one bit per id up to the largest one.
 
-    A run's consumed ids take `total_groups / 8` bytes, allocated as the ids grow and never more (a `set` holds about
-    60 bytes an id, so a long run's ledger would grow with every step). It behaves as a `set` of ints: `in`, `len`,
-    iteration (in ascending order), `add`, `discard`, `update`, `clear`, and `==`/`<=`/`-`/`|` with any set.
+    A run's consumed ids take `total_groups / 8` bytes, allocated as the ids grow and never more, where a `set` holds
+    an int object and a table slot per id and so grows with every step of a long run. It behaves as a `set` of ints:
+    `in`, `len`, iteration (in ascending order), `add`, `discard`, `update`, `clear`, and `==`/`<=`/`-`/`|` with any
+    set.
 
     Raises:
         ValueError: `add` of a negative id.

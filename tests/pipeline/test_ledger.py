@@ -1,8 +1,9 @@
 """GroupIdSet, the ledger's compact set of group ids, and memory that stays flat over a long run.
 
-A run consumes every group id once, so a `set` of them (about 60 bytes an id) grows with every step; the ledger and
-the planner keep theirs as a bitmap instead (one bit an id). The memory tests trace Python's allocations over the
-second half of a long stretch of groups: with a `set` they grow by tens of kilobytes, with the bitmap by bytes.
+A run consumes every group id once, so a `set` of them (an int object and a table slot an id) grows with every step;
+the ledger and the planner keep theirs as a bitmap instead (one bit an id). The memory tests trace Python's allocations
+over the second half of a long stretch of groups: with a `set` they grow by tens of kilobytes, with the bitmap by
+bytes.
 """
 
 from __future__ import annotations
