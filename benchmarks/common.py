@@ -36,6 +36,40 @@ def machine() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
 
 
+#: The CPU flags that decide which kernels and precision a run gets (`AutoPrecision`, the packed products).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu() -> dict[str, Any]:
+    """The processor's model name, its cores and the flags in `CPU_FLAGS` it has (Linux's /proc/cpuinfo)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {
+        "model": fields.get("model name") or platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "flags": [flag for flag in CPU_FLAGS if flag in flags],
+    }
+
+
+def provenance(command: str) -> dict[str, Any]:
+    """What a results page states about a run: the `command`, the commit, the machine and the date (UTC)."""
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=ROOT
+    )
+    commit = git_commit() + ("+uncommitted changes" if dirty.stdout.strip() else "")
+    return {
+        "command": command,
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "machine": cpu(),
+    }
+
+
 def median_seconds(function: Callable[[], Any], warmup: int, reps: int) -> float:
     """The median wall time of `reps` calls of `function`, after `warmup` calls left out."""
     for _ in range(warmup):

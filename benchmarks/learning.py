@@ -440,6 +440,9 @@ def main() -> None:
         return
 
     out.mkdir(parents=True, exist_ok=True)
+    # the command, commit, machine and date, which `--summarize` carries into `learning_race.json` for the results page
+    command = common.provenance("python benchmarks/learning.py " + " ".join(sys.argv[1:]))
+    (out / "provenance.json").write_text(json.dumps(command, indent=2))
     print(
         f"{common.machine()}; {args.model}, {args.train_size} "
         f"training / {args.val_size} held-out problems, reward {args.reward}; output in {out}",

@@ -91,7 +91,9 @@ def summarize(folders: list[Path], out: Path) -> dict[str, Any]:
                 f"(median of per-race ratios {_ratio(m['per_race_ratio'], 1.0)})"
             )
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"runs": {str(folder): sides for folder, sides in runs}, "medians": medians}
+    # each race's command, commit, machine and date (`learning.py` writes them beside `race.json`)
+    provenance = [json.loads(p.read_text()) for p in (f / "provenance.json" for f, _ in runs) if p.exists()]
+    summary = {"provenance": provenance, "runs": {str(folder): sides for folder, sides in runs}, "medians": medians}
     (out / "learning_race.json").write_text(json.dumps(summary, indent=2))
     plot_runs(runs, out / "learning_race.png")
     print(f"wrote {out / 'learning_race.json'} and {out / 'learning_race.png'}")

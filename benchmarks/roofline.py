@@ -47,6 +47,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -528,6 +529,7 @@ def run(args: argparse.Namespace) -> dict:
             rows += async_step_rows(args.model, args, Path(tmp))
     print_table(rows)
     report = {
+        "provenance": common.provenance("python benchmarks/roofline.py " + " ".join(sys.argv[1:])),
         "machine": header,
         "precision_probe": verdict.reason,
         "model": model_name,

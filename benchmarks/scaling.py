@@ -323,7 +323,9 @@ def main() -> None:
           + ", ".join(f"{mode}: {name or 'none'}" for mode, name in largest.items()))  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scaling.json").write_text(json.dumps({"rows": rows, "largest": largest, "args": vars(args)}, indent=2))
+    command = common.provenance("python benchmarks/scaling.py " + " ".join(sys.argv[1:]))
+    report = {"provenance": command, "rows": rows, "largest": largest, "args": vars(args)}
+    (out / "scaling.json").write_text(json.dumps(report, indent=2))
     plot(rows, args.policies, out / "scaling.png")
     print(f"wrote {out / 'scaling.json'} and {out / 'scaling.png'}")
 

@@ -84,7 +84,8 @@ class PreemptionCallback(Callback):
     Example::
 
         trainer = Trainer(callbacks=[PreemptionCallback(dirpath="checkpoints")])
-        # kill -TERM <pid>  ->  "preempted: checkpoint saved to checkpoints/preempted.ckpt", exit code 75
+        # kill -TERM <pid>  ->  exit code 75 and
+        # "preempted: checkpoint saved to checkpoints/preempted.ckpt"
     """
 
     def __init__(self, dirpath: str | Path | None = None, filename: str = "preempted") -> None:

@@ -24,6 +24,17 @@ class RolloutMetricsCallback(Callback):
     It runs after `RolloutStopCallback` (`GRPOModule` adds both in that order), so the groups dropped while the next
     step was planned, and the rollout child's counts up to then, are in this step's row; at the last step, that is
     the whole run.
+
+    Example::
+
+        import lightning.pytorch as pl
+        from lightning.pytorch.loggers import CSVLogger
+
+        from lightning_grpo.callbacks import RolloutMetricsCallback
+
+        # GRPOModule adds it when the trainer lacks one; every logger of the trainer
+        # gets its metrics
+        trainer = pl.Trainer(logger=CSVLogger("logs"), callbacks=[RolloutMetricsCallback()])
     """
 
     @override

@@ -17,13 +17,38 @@ from .weight_sync import WeightSyncCallback
 
 
 class RolloutStreamError(RuntimeError):
-    """The rollout stream ended with an error: the run stalled, or rank 0's pipeline (the rollout child) failed."""
+    """The rollout stream ended with an error: the run stalled, or rank 0's pipeline (the rollout child) failed.
+
+    Example::
+
+        from lightning_grpo.callbacks import RolloutStallError, RolloutStreamError
+
+        try:
+            trainer.fit(module, datamodule=data)
+        except RolloutStallError as error:
+            print(error)  # counts the groups dropped by reason and names the option to change
+        except RolloutStreamError as error:
+            print(error)  # the rollout process failed; its traceback is in the message
+    """
 
 
 class RolloutStallError(RolloutStreamError):
     """The run stalled: `stall_groups` prompt groups in a row (by default a full pass) were consumed without one
     training, for the reasons the message counts (e.g. `no_signal`: every completion of each group scored the same,
-    as when the policy already solves every prompt, or a reward is constant)."""
+    as when the policy already solves every prompt, or a reward is constant).
+
+    Example::
+
+        from lightning_grpo import GRPODataModule
+
+        def constant(completions, **columns):
+            return [1.0] * len(completions)
+
+
+        # every group scores alike: none trains, and after a full pass over the
+        # prompts `trainer.fit` raises RolloutStallError, counting the drops by reason
+        data = GRPODataModule(reward_funcs=[constant])
+    """
 
 
 class RolloutStopCallback(Callback):

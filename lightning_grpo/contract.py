@@ -48,6 +48,18 @@ class RolloutContract:
         conversation: how prompts become conversations (prompt format, tools, environments), which validation runs
             the same way; None: single-turn chat prompts without tools.
         stop: the generator's stop strings; validation's turns end at them too.
+
+    Example::
+
+        import lightning.pytorch as pl
+
+        from lightning_grpo import GRPODataModule, GRPOModule
+
+        module = GRPOModule("tiny-random")
+        data = GRPODataModule(dataset_size=4, num_generations=4, temperature=0.7)
+        pl.Trainer(accelerator="cpu", max_steps=1, logger=False).fit(module, datamodule=data)
+        contract = module.contract  # what the data module's rollouts were made with
+        assert contract.temperature == 0.7
     """
 
     tokenizer: Any
@@ -106,6 +118,12 @@ class RolloutSource(Protocol):
         weight_sync: pushes the policy to the generator and keeps the policy version (`WeightSyncCallback`).
         progress: rank 0's progress ledger (None on other ranks); `score_step` reports scored groups to it.
         process_group: the process group trainer scoring gathers over (None: the default one).
+
+    Example::
+
+        from lightning_grpo import GRPODataModule, RolloutSource
+
+        assert isinstance(GRPODataModule(), RolloutSource)
     """
 
     weight_sync: WeightSync | None

@@ -143,15 +143,15 @@ class GRPODataModule(pl.LightningDataModule):
         from lightning_grpo import GRPODataModule, GRPOModule
 
         data = GRPODataModule(
-            dataset="arithmetic",  # or a .jsonl/.parquet path, a datasets.Dataset, a Hub dataset name
+            dataset="arithmetic",  # or a .jsonl/.parquet path, a Dataset, a Hub name
             dataset_size=4,
-            reward_funcs=["lightning_grpo.rewards.numeric_closeness", "lightning_grpo.rewards.accuracy"],
+            reward_funcs=["lightning_grpo.rewards.numeric_closeness"],
             num_generations=4,  # completions per prompt: one group
             max_completion_length=16,
         )
-        trainer = pl.Trainer(accelerator="cpu", max_epochs=-1, limit_val_batches=0, logger=False)
+        trainer = pl.Trainer(max_epochs=-1, limit_val_batches=0, logger=False)
         trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=data)
-        print(data.progress_summary())  # every group consumed: trained, or dropped (no learning signal)
+        print(data.progress_summary())  # every group trained, or dropped (no signal)
     """
 
     def __init__(

@@ -25,11 +25,12 @@ from .training.checkpoint_io import use_atomic_checkpoints
 from .training.lightning_flags import apply_lightning_flags
 from .training.loss import LossContext, LossStats, micro_batch_loss
 from .training.loss_options import ImportanceSamplingLevel, ImportanceSamplingMode, LossType
-from .training.model_setup import generation_attention, prepare_policy, prepare_reference, shard_models
+from .training.model_setup import generation_attention, policy_forward, prepare_policy, prepare_reference, shard_models
 from .training.module_options import ModuleOptions
 from .training.optimizers import build_optimizers, check_optimizer_options
 from .training.policy import check_peft_config, policy_record, trainable_parameters
 from .training.reference import ReferenceModel, ReferencePolicy
+from .training.router_aux_loss import check_router_aux_loss_coef
 from .training.sharding import check_strategy, clip_gradient_norm, gradient_scaler, gradient_sync, is_sharded
 from .training.step import max_steps_reached, numeric_metrics, step_inputs, step_row, sync_reference
 from .training.step_metrics import StepMetrics
@@ -90,6 +91,8 @@ class GRPOModule(pl.LightningModule):
         peft_config: a `peft.LoraConfig` to train LoRA adapters instead of the whole policy, checked here against the
             policy's modules. A `peft.PeftModel` passed as `model` keeps its adapters (and its active config).
         gradient_checkpointing: recompute each decoder layer's activations in the backward (less memory, more time).
+        packing: "tree" (one forward over the packed trie, exact where every layer is attention), "padded" or "auto".
+        router_aux_loss_coef: an MoE model's load-balancing loss weight (as GRPOTrainer); None: its config's own.
         val_max_tokens: tokens per validation turn; default the data module's `max_completion_length`.
         num_generations_eval: completions per held-out prompt (TRL's name; the k of `val/pass@k`); 1 (TRL:
             `num_generations`), since validation is greedy by default.
@@ -102,7 +105,8 @@ class GRPOModule(pl.LightningModule):
             the wrong length, a bad loss or validation option or a combination GRPOTrainer refuses (both named), a
             `peft_config` whose `target_modules` match no module of the policy, `sync_ref_model` with LoRA, an
             `optimizer` or `lr_scheduler` that cannot be built (or a `ReduceLROnPlateau`); in `setup`, a strategy
-            whose gradients would not be synchronised; on restore, a checkpoint without this policy's adapters.
+            whose gradients would not be synchronised; on restore, a checkpoint without this policy's adapters;
+            `packing="tree"` for a model it is not exact for, a nonzero `router_aux_loss_coef` on a dense model.
         TypeError: a `peft_config` that is not a `peft.LoraConfig`; in `setup`, no `RolloutSource` data module.
 
     Example::
@@ -112,7 +116,9 @@ class GRPOModule(pl.LightningModule):
 
         module = GRPOModule("tiny-random", learning_rate=1e-3, loss_type="grpo", beta=0.04)
         data = GRPODataModule(
-            dataset_size=4, num_generations=4, reward_funcs=["lightning_grpo.rewards.numeric_closeness"]
+            dataset_size=4,
+            num_generations=4,
+            reward_funcs=["lightning_grpo.rewards.numeric_closeness"],
         )
         trainer = pl.Trainer(accelerator="cpu", max_steps=1, limit_val_batches=0, logger=False)
         trainer.fit(module, datamodule=data)
@@ -160,6 +166,8 @@ class GRPOModule(pl.LightningModule):
         val_max_tokens: int | None = None,
         peft_config: LoraConfig | None = None,
         gradient_checkpointing: bool = False,
+        packing: Literal["auto", "tree", "padded"] = "auto",
+        router_aux_loss_coef: float | None = None,
         num_generations_eval: int = 1,
         val_temperature: float = 0.0,
         val_pass_threshold: float = 1.0,
@@ -173,6 +181,7 @@ class GRPOModule(pl.LightningModule):
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         if peft_config is None and is_peft_model(model):
             peft_config = adapter_config(model)  # a PEFT model passed in trains and checkpoints the same way
+        check_router_aux_loss_coef(model, router_aux_loss_coef)
         if peft_config is not None:
             check_peft_config(peft_config, model)
             self.strict_loading = False  # checkpoints hold the adapters, not the base weights
@@ -196,6 +205,7 @@ class GRPOModule(pl.LightningModule):
         self.scored_step: ScoredStep | None = None  # the last step's trainer scoring, for the completions table
         self._step_started: float | None = None
         self._generate_attention: str | None = None
+        self._forward: Any = None  # (packing path, MoE loss weight) of the policy, decided in configure_model
         self._val_epoch: ValidationEpoch | None = None
 
     @property
@@ -232,6 +242,7 @@ class GRPOModule(pl.LightningModule):
         policy = prepare_policy(self.policy, self.model_name, hp.dtype, self.peft_config, hp.gradient_checkpointing)
         self.policy, fresh_adapters = policy
         self._generate_attention = self._generate_attention or generation_attention(self.policy)
+        self._forward = self._forward or policy_forward(self.policy, hp.packing, hp.router_aux_loss_coef)
         beta = self.loss_options.beta
         self.reference = prepare_reference(self.reference, self.policy, beta, fresh_adapters, self.peft_config)
         if (trainer := _trainer_of(self)) is not None:
@@ -284,7 +295,8 @@ class GRPOModule(pl.LightningModule):
         """`num_iterations` optimizer steps on this planned step (each: every micro-batch's forward and backward, the
         gradient clip, the optimizer and the learning-rate schedule); stops early at `Trainer(max_steps=...)`."""
         started = time.perf_counter()
-        micro_batches, context = step_inputs(batch, self.device, self.contract, self.trainer.world_size, self.reference)
+        inputs = (batch, self.device, self.contract, self.trainer.world_size, self.reference, self._forward)
+        micro_batches, context = step_inputs(*inputs)
         lr = self.optimizers().param_groups[0]["lr"]  # the rate this step trains with (the scheduler moves it after)
         stats, iterations = LossStats(), 0
         for iteration in range(self.options.num_iterations):

@@ -30,6 +30,16 @@ def completion_text(completion: str | Sequence[dict[str, Any]]) -> str:
 
     Raises:
         TypeError: the completion is neither a string nor a list of message dicts.
+
+    Example::
+
+        from lightning_grpo.rewards import completion_text
+
+        conversation = [
+            {"role": "user", "content": "2 + 2?"},
+            {"role": "assistant", "content": "4"},
+        ]
+        assert completion_text(conversation) == "4" and completion_text("4") == "4"
     """
     if isinstance(completion, str):
         return completion
@@ -85,6 +95,13 @@ def accuracy(
 
     Raises:
         ValueError: `answer` does not have one entry per completion.
+
+    Example::
+
+        from lightning_grpo.rewards import accuracy
+
+        completions = ["7 + 5 = 12, so the answer is \\boxed{12}.", "I think it is 13."]
+        assert accuracy(completions, answer=["12", "12"]) == [1.0, 0.0]
     """
     if len(answer) != len(completions):
         raise ValueError(f"accuracy() got {len(completions)} completions but {len(answer)} gold answers (`answer`).")
@@ -124,6 +141,13 @@ def boxed_format(completions: Sequence[Any], **kwargs: Any) -> list[float | None
     Args:
         completions: Strings or conversations, see `completion_text`.
         **kwargs: Dataset columns and TRL's `prompts`, `completion_ids`; ignored.
+
+    Example::
+
+        from lightning_grpo.rewards import boxed_format
+
+        rewards = boxed_format(["The answer is \\boxed{12}.", "\\boxed{}", "12"])
+        assert rewards == [1.0, 0.0, 0.0]
     """
     return [1.0 if _single_filled_box(completion_text(completion)) else 0.0 for completion in completions]
 
@@ -156,6 +180,13 @@ def numeric_closeness(completions: Sequence[Any], answer: Sequence[Any], **kwarg
 
     Raises:
         ValueError: `answer` does not have one entry per completion.
+
+    Example::
+
+        from lightning_grpo.rewards import numeric_closeness
+
+        rewards = numeric_closeness(["It is 12.", "It is 13.", "no idea"], answer=[12, 12, 12])
+        assert rewards == [1.0, 0.5, 0.0]
     """
     if len(answer) != len(completions):
         raise ValueError(
@@ -199,6 +230,13 @@ def format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | Non
     Args:
         completions: Strings or conversations, see `completion_text`.
         **kwargs: Dataset columns and TRL's `prompts`, `completion_ids`; ignored.
+
+    Example::
+
+        from lightning_grpo.rewards import format_reward
+
+        good = "<think>\nx + 2 = 5\n</think>\n<answer>\n3\n</answer>"
+        assert format_reward([good, "<answer>3</answer>"]) == [1.0, 0.0]
     """
     return [1.0 if _THINK_ANSWER.match(completion_text(completion)) else 0.0 for completion in completions]
 
@@ -232,6 +270,19 @@ def reasoning_gym(
 
     Raises:
         ValueError: the columns do not have one entry per completion.
+
+    Example::
+
+        from lightning_grpo import GRPODataModule
+
+        data = GRPODataModule(
+            dataset="reasoning_gym:countdown",
+            reward_funcs=[
+                "lightning_grpo.rewards.reasoning_gym",
+                "lightning_grpo.rewards.format_reward",
+            ],
+            reward_weights=[1.0, 0.1],
+        )
     """
     from .data.reasoning_gym import extract_answer, score
 

@@ -1,7 +1,9 @@
 """MkDocs hooks: fill the reference pages' markers from the code, so the pages cannot drift from it.
 
-- `<!-- options: CLASS -->` (e.g. `lightning_grpo.GRPOModule`): the class's option table (`options.py`).
-- `<!-- api: lightning_grpo -->` / `<!-- api: lightning_grpo.callbacks -->`: one mkdocstrings block per public name.
+- `<!-- options: CLASS -->` (e.g. `lightning_grpo.GRPOModule`): the list of the class's options (`options.py`).
+- `<!-- api-page: PAGE -->`: the mkdocstrings blocks of one reference page, as `api_pages.PAGES` lays it out.
+- `<!-- api-index -->`: every documented name with its page and its docstring's first line.
+- `<!-- metrics -->`: every logged metric (`metrics_table.py`, from `lightning_grpo.training.metric_catalog`).
 - `<!-- cli -->`: `lightning-grpo --help` and each subcommand's, from `cli_help.py` run in a subprocess.
 
 A parameter the class docstring's `Args:` leaves out is a warning, which `mkdocs build --strict` turns into a failure.
@@ -9,7 +11,9 @@ A parameter the class docstring's `Args:` leaves out is a warning, which `mkdocs
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 import json
 import os
 import re
@@ -22,25 +26,13 @@ from mkdocs.plugins import get_plugin_logger
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import api_pages as _api_pages  # noqa: E402
+import metrics_table as _metrics  # noqa: E402
 import options as _options  # noqa: E402
 
 log = get_plugin_logger("lightning_grpo_docs")
-_MARKER = re.compile(r"<!-- (options|api): ([\w.]+) -->|<!-- (cli) -->")
+_MARKER = re.compile(r"<!-- (options|api-page): ([\w.]+) -->|<!-- (cli|api-index|metrics) -->")
 _cli: subprocess.Popen | None = None
-
-# where each group of top-level names is defined (the first part of its module path), in the page's order
-_API_GROUPS = {
-    "module": "The module and the data module",
-    "datamodule": "The module and the data module",
-    "contract": "The module and the data module",
-    "rollout": "The rollout process",
-    "pipeline": "Rank 0's pipeline",
-    "scoring": "Trainer scoring",
-    "training": "Training",
-    "weights": "Weight sync and serving",
-    "serving": "Weight sync and serving",
-    "cli": "Export",
-}
 
 
 def on_pre_build(config, **kwargs) -> None:
@@ -62,26 +54,77 @@ def _options_table(path: str) -> str:
     missing = _options.undocumented(cls)
     if missing:
         log.warning(f"{path}: the docstring's Args: section does not document {', '.join(missing)}; add them.")
-    return _options.markdown_table(cls)
+    return _options.markdown_list(cls)
 
 
-def _api(package: str) -> str:
+def _griffe_path(path: str) -> str:
+    """The path griffe reads `path` under: the callbacks' sources live in callbacks/ (installed under lightning_grpo/)."""
+    return path.removeprefix("lightning_grpo.") if path.startswith("lightning_grpo.callbacks.") else path
+
+
+def _own_members(obj: object) -> list[str] | bool:
+    """A class's own public API: what it defines that overrides nothing of its bases (Lightning's hooks are left
+    out), its dataclass fields and annotated attributes. False for a function or a constant."""
+    if not inspect.isclass(obj):
+        return False
+    inherited = {name for base in obj.__mro__[1:] for name in vars(base)}
+    names = [name for name in vars(obj) if not name.startswith("_") and name not in inherited]
+    names += [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
+    names += [name for name in vars(obj).get("__annotations__", {}) if not name.startswith("_")]
+    return list(dict.fromkeys(names)) or False
+
+
+def _block(path: str, heading_level: int) -> str:
+    members = _own_members(_import(path))
+    options = [f"heading_level: {heading_level}", f"members: {json.dumps(members)}"]
+    if _griffe_path(path) != path:
+        options.append(f"heading: {path}")
+    return f"::: {_griffe_path(path)}\n    options:\n" + "\n".join(f"      {option}" for option in options)
+
+
+def _api_page(page: str) -> str:
+    _, sections = _api_pages.PAGES[page]
+    if len(sections) == 1:
+        return "\n\n".join(_block(path, 2) for path in sections[0][1])
+    return "\n\n".join(
+        f"## {heading}\n\n" + "\n\n".join(_block(path, 3) for path in paths) for heading, paths in sections
+    )
+
+
+def _constant_comment(path: str) -> str:
+    """The `#:` comment above `NAME = ...` in the module that defines it (a package's own or a submodule's)."""
+    package, _, name = path.rpartition(".")
     module = importlib.import_module(package)
-    if package == "lightning_grpo.callbacks":
-        # the callbacks' sources live in callbacks/ (installed under lightning_grpo/); griffe reads them there
-        return "\n\n".join(
-            f"::: callbacks.{name}\n    options:\n      heading: {package}.{name}" for name in module.__all__
-        )
-    groups: dict[str, list[str]] = {}
-    for name in module.__all__:
-        top = module._EXPORTS[name].split(".")[0]
-        groups.setdefault(_API_GROUPS.get(top, "Other"), []).append(name)
-    order = list(dict.fromkeys([*_API_GROUPS.values(), "Other"]))
+    for source in [module, *(value for value in vars(module).values() if inspect.ismodule(value))]:
+        lines = inspect.getsource(source).splitlines()
+        for index, line in enumerate(lines):
+            if line.startswith(f"{name} =") and index and lines[index - 1].startswith("#:"):
+                return lines[index - 1].removeprefix("#:").strip()
+    return ""
+
+
+def _summary(path: str) -> str:
+    """The first paragraph of the docstring; a constant's `#:` comment."""
+    obj = _import(path)
+    doc = (inspect.getdoc(obj) or "") if callable(obj) else _constant_comment(path)
+    if not doc:
+        raise ValueError(f"{path} has no docstring for the API index: give it one.")
+    return doc.split("\n\n")[0].replace("\n", " ")
+
+
+def _api_index() -> str:
     parts = []
-    for title in order:
-        for index, name in enumerate(groups.get(title, [])):
-            parts.append((f"## {title}\n\n" if index == 0 else "") + f"::: {package}.{name}")
-    return "\n\n".join(parts)
+    for page, (title, sections) in _api_pages.PAGES.items():
+        parts += [f"## {title}", "", f"On [the {title} page]({page}.md):", ""]
+        for heading, paths in sections:
+            if len(sections) > 1:
+                parts += [f"### {heading}", ""]
+            parts += ["| name | what it is |", "|---|---|"]
+            for path in paths:
+                name, summary = path.rpartition(".")[2], _summary(path).replace("|", "\\|")
+                parts.append(f'| [<code class="lg-name">{name}</code>][{_griffe_path(path)}] | {summary} |')
+            parts.append("")
+    return "\n".join(parts)
 
 
 def _cli_reference() -> str:
@@ -105,9 +148,10 @@ def _cli_reference() -> str:
 
 def on_page_markdown(markdown: str, page, config, files, **kwargs) -> str:
     def fill(match: re.Match) -> str:
-        if match.group(3) == "cli":
-            return _cli_reference()
-        kind, path = match.group(1), match.group(2)
-        return _options_table(path) if kind == "options" else _api(path)
+        generated = {"cli": _cli_reference, "api-index": _api_index, "metrics": _metrics.markdown}
+        if match.group(3):
+            return generated[match.group(3)]()
+        kind, argument = match.group(1), match.group(2)
+        return _options_table(argument) if kind == "options" else _api_page(argument)
 
     return _MARKER.sub(fill, markdown)

@@ -1,6 +1,6 @@
-"""The option tables of the reference, generated from the signatures and docstrings of the configurable classes.
+"""The option lists of the reference, generated from the signatures and docstrings of the configurable classes.
 
-Each row is one `__init__` parameter: its type and default from `inspect.signature`, its meaning from the class
+Each entry is one `__init__` parameter: its type and default from `inspect.signature`, its meaning from the class
 docstring's `Args:` section, and its TRL counterpart: the `GRPOConfig` (else `AsyncGRPOConfig`) field of the same
 name with TRL's default, or the name listed in `TRL_NAMES`, checked against TRL's own classes when the page is built.
 """
@@ -154,20 +154,29 @@ def options(cls: type) -> list[Option]:
     return rows
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+def readable_type(annotation: str) -> str:
+    """An annotation as a reader says it: `int | None` -> `int or None`, `Literal['a', 'b']` -> `"a" / "b"`."""
+
+    def choices(match: re.Match) -> str:
+        return " / ".join(f'"{choice.strip().strip(chr(39) + chr(34))}"' for choice in match.group(1).split(","))
+
+    return re.sub(r"\s*\|\s*", " or ", re.sub(r"Literal\[([^\]]*)\]", choices, annotation))
 
 
-def markdown_table(cls: type) -> str:
-    """The options of `cls` as a Markdown table: option, type, default, TRL counterpart, meaning."""
-    lines = ["| option | type | default | TRL | meaning |", "|---|---|---|---|---|"]
+def markdown_list(cls: type) -> str:
+    """The options of `cls` as a Markdown list: each one's name, type and default on its first line (so the default
+    never falls off a narrow screen), then its meaning and its TRL counterpart."""
+    items = []
     for option in options(cls):
-        type_cell = f"`{_cell(option.type)}`" if option.type else ""
-        lines.append(
-            f"| `{option.name}` | {type_cell} | `{_cell(option.default)}` | {_cell(option.trl) or '—'} "
-            f"| {_cell(option.meaning)} |"
-        )
-    return "\n".join(lines)
+        head = [f'<code class="lg-name">{option.name}</code>']
+        if option.type:
+            head.append(f"`{readable_type(option.type)}`")
+        head.append(f"default `{option.default}`" if option.default != "required" else "**required**")
+        item = f"- {' · '.join(head)}<br>{option.meaning.replace(chr(10), ' ')}"
+        if option.trl:
+            item += f"<br>TRL: {option.trl}"
+        items.append(item)
+    return "\n".join(items)
 
 
 def undocumented(cls: type) -> list[str]:

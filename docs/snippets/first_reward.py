@@ -1,4 +1,5 @@
-"""Your first reward: GRPO on the tiny random Llama with a reward written here (docs/get-started/first-reward.md).
+"""Your first reward: GRPO on the tiny random Llama with a reward written here
+(docs/get-started/first-reward.md).
 
 Run by tests/docs/test_docs_site.py, so the page shows code that works.
 """
@@ -12,23 +13,35 @@ from lightning_grpo.callbacks import CompletionsTableCallback
 
 
 def digit_fraction(completions, **columns):
-    """TRL's reward signature: one float per completion (None: not scored). Dataset columns arrive by name."""
+    """TRL's reward signature: one float per completion (None: not scored).
+
+    Dataset columns arrive by name.
+    """
     texts = [completion[-1]["content"] for completion in completions]
     return [sum(ch.isdigit() for ch in text) / max(len(text), 1) for text in texts]
 
 
-if __name__ == "__main__":  # the rollout child re-imports this file; only the parent trains
+# the rollout child re-imports this file; only the parent trains
+if __name__ == "__main__":
+    # the reward of three chat completions (each a list of messages)
+    samples = ["The answer is 42.", "42", "forty-two"]
+    rewards = digit_fraction([[{"role": "assistant", "content": s}] for s in samples])
+    print("rewards:", [round(reward, 3) for reward in rewards])
+
     datamodule = GRPODataModule(
-        dataset="arithmetic",  # or a .jsonl/.parquet path, a datasets.Dataset, a Hub dataset name
+        # or a .jsonl/.parquet path, a datasets.Dataset, a Hub dataset name
+        dataset="arithmetic",
         dataset_size=8,
-        reward_funcs=[digit_fraction],  # callables or import paths, e.g. "lightning_grpo.rewards.accuracy"
+        # callables or import paths, e.g. "lightning_grpo.rewards.accuracy"
+        reward_funcs=[digit_fraction],
         num_generations=4,  # completions per prompt: one group
         max_completion_length=8,
         samples_per_row=8,  # two groups per optimizer step
     )
     trainer = pl.Trainer(
         accelerator="cpu",
-        max_epochs=-1,  # the data module ends the run once every prompt group is consumed
+        # the data module ends the run once every prompt group is consumed
+        max_epochs=-1,
         log_every_n_steps=1,
         logger=CSVLogger("logs", name="first_reward"),
         callbacks=[CompletionsTableCallback(log_completions_every_n_steps=1)],
@@ -37,7 +50,9 @@ if __name__ == "__main__":  # the rollout child re-imports this file; only the p
     )
     trainer.fit(GRPOModule("tiny-random", learning_rate=2e-2), datamodule=datamodule)
 
-    metrics = pd.read_csv(f"{trainer.logger.log_dir}/metrics.csv").dropna(subset=["reward"])
+    metrics = pd.read_csv(f"{trainer.logger.log_dir}/metrics.csv")
+    metrics = metrics.dropna(subset=["reward"])
     print(metrics[["step", "reward", "reward_std", "loss"]].to_string(index=False))
     table = pd.read_csv(f"{trainer.logger.log_dir}/completions.csv")
-    print(table[["step", "prompt", "completion", "reward", "advantage"]].head(4).to_string(index=False))
+    columns = ["step", "prompt", "completion", "reward", "advantage"]
+    print(table[columns].head(4).to_string(index=False))

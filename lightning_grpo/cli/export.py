@@ -45,6 +45,15 @@ def export_policy(
     Raises:
         FileNotFoundError: no checkpoint file at `checkpoint`.
         ValueError: the checkpoint names no policy and `model` is not given, or lacks the adapters its config needs.
+
+    Example::
+
+        from transformers import AutoModelForCausalLM
+
+        from lightning_grpo import export_policy
+
+        folder = export_policy("checkpoints/last.ckpt", "exported", merged=True)
+        policy = AutoModelForCausalLM.from_pretrained(folder)
     """
     from ..models.loading import _resolve_path, load_policy, load_tokenizer
 

@@ -18,6 +18,10 @@ import torch
 
 #: The batch size oneDNN lays packed weights out for (it serves any batch size).
 PACK_ROWS = 32
+# Row counts are rounded up to these steps (up to `_FINE_ROWS` rows, then `_COARSE_STEP`): oneDNN builds and caches
+# one kernel per distinct shape, so a generator whose batch and prompt lengths vary would otherwise build a kernel at
+# most steps (slower than the product itself) and keep every one (memory growing for hours).
+_FINE_ROWS, _FINE_STEP, _COARSE_STEP = 64, 8, 64
 
 
 def packing_available(dtype: torch.dtype) -> bool:
@@ -39,8 +43,21 @@ def pack_weight(weight: torch.Tensor, rows: int = PACK_ROWS) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T + bias` through oneDNN on a weight `pack_weight` laid out."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """`x @ weight.T + bias` through oneDNN on a weight `pack_weight` laid out.
+
+    `x` is `(rows, in)`; it runs padded with zero rows to `padded_rows(rows)` (a few kernel shapes serve every row
+    count) and the padding's outputs are dropped."""
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a product of `rows` rows runs at: a multiple of 8 up to 64 rows, then of 64."""
+    step = _FINE_STEP if rows <= _FINE_ROWS else _COARSE_STEP
+    return -(-rows // step) * step
 
 
 def _mkldnn_bf16() -> bool:

@@ -54,6 +54,17 @@ def compute_group_advantages(
         ValueError: on a shape that is not `(num_funcs, group_size)`, a weights length that does not match, an
             unknown `aggregation`, `scale_rewards` or `estimator`, or `scale_rewards="batch"` without a valid
             `batch_std`.
+
+    Example::
+
+        import numpy as np
+
+        from lightning_grpo import compute_group_advantages
+
+        # one reward function and a group of 4 completions; the last one was not scored (NaN)
+        rewards_per_func = np.array([[1.0, 0.0, 1.0, np.nan]])
+        rewards, advantages = compute_group_advantages(rewards_per_func, np.array([1.0]))
+        assert advantages[3] == 0.0 and advantages[0] > 0 > advantages[1]
     """
     if estimator not in get_args(AdvantageEstimator):
         raise ValueError(f"`estimator={estimator!r}` is not one of {list(get_args(AdvantageEstimator))}.")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -28,10 +28,31 @@ from .sampling import draw, sampling_scores
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from .generic_decoder import GenericPrefix
     from .stop_strings import StopStrings
 
 # Most prompt tokens prefilled in one step (a longer prompt is prefilled alone).
 _MAX_PREFILL_TOKENS = 4096
+
+
+class StepDecoder(Protocol):
+    """What `ContinuousBatch` drives: `decoder.SlotDecoder` (the fast one) or `generic_decoder.GenericDecoder`."""
+
+    def reserve(self, slots: int, capacity: int) -> None:
+        """Before a step: room for `slots` rows of up to `capacity` positions."""
+
+    def load(self, prefix: Any, slots: list[int]) -> None:
+        """After a step: `slots` restart as the prompt of `prefix` (one the decoder's `step` returned)."""
+
+    def move(self, source: int, target: int) -> None:
+        """After a step: slot `target` takes slot `source`'s sequence (rows stay in slots `0..rows-1`)."""
+
+    def step(self, tokens: torch.Tensor, prompts: list[list[int]]) -> tuple[torch.Tensor, list[Any]]:
+        """One forward: each row's token in, its logits out; a prefix (with `.logits`) per prompt."""
+        ...
+
+    def repack(self) -> None:
+        """After the model's weights changed in place."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +91,7 @@ class _Row:
 
 @dataclass(slots=True)
 class _CachedPrefix:
-    prefix: Prefix
+    prefix: Prefix | GenericPrefix
     version: int
 
 
@@ -85,6 +106,8 @@ class ContinuousBatch:
         max_rows: most rows decoding at once.
         rng: draws for requests without a seed of their own.
         packed: run a large LM head on pre-packed weights (see `SlotDecoder`).
+        decoder: the decoder to drive instead of a `SlotDecoder` of `model` (a `GenericDecoder` runs every causal LM
+            through its own forward; `decoder_choice.choose_decoder` picks).
     """
 
     def __init__(
@@ -97,8 +120,9 @@ class ContinuousBatch:
         max_rows: int,
         rng: torch.Generator,
         packed: bool = False,
+        decoder: StepDecoder | None = None,
     ) -> None:
-        self._decoder = SlotDecoder(model, packed=packed)
+        self._decoder: StepDecoder = SlotDecoder(model, packed=packed) if decoder is None else decoder
         self._vocab = model.get_output_embeddings().weight.shape[0]
         self.sampling = sampling
         self._eos, self._stop = eos_token_ids, stop
@@ -189,9 +213,9 @@ class ContinuousBatch:
         if needed:
             self._decoder.reserve(len(self._rows) + len(self._joining), max(needed))
 
-    def _join(self, version: int) -> list[Prefix]:
+    def _join(self, version: int) -> list[Prefix | GenericPrefix]:
         """Load each joining request's prefix into the next free slot; returns their prefixes in slot order."""
-        first: list[Prefix] = []
+        first: list[Prefix | GenericPrefix] = []
         rows: list[_Row] = []
         for request in self._joining:
             prefix = self._prefixes[request.key].prefix

@@ -12,24 +12,29 @@ weights copied into the model in place are used at the next step; the cache and 
 a step of up to `small_matmul.MAX_ROWS` tokens runs the linear layers through the small-batch kernel where it is
 available (same weights, the same products summed in another order); a bf16 model runs them through oneDNN with
 pre-packed weights where this CPU has its bf16 kernels, q, k and v stacked into one product and gate and up into
-another (fewer, wider products; each output the same sum). Supported: the families of
-`architectures.ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3, Gemma 3), whose differences (norm placement, rotary
-embedding per layer type, sliding-window layers) that table holds. A sliding-window layer masks the cache positions
-outside its window; the cache itself keeps every position.
+another (fewer, wider products; each output the same sum), and a fused projection (Phi-3's `qkv_proj`,
+`gate_up_proj`) is one product cut into its parts. Supported: the families of `architectures.ARCHITECTURES` (Llama,
+Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3, OLMo 2, OLMo 3, Granite, SmolLM3, Cohere, Qwen3-MoE,
+Mixtral), whose differences (norm placement, rotary embedding per layer type or none, sliding-window layers, q/k
+norms, parallel branches, softcapping, scalar multipliers) that table holds, resolved per layer when the decoder is
+built; a mixture-of-experts block is the model's own module, called on the step's tokens. A sliding-window layer
+masks the cache positions outside its window; the cache itself keeps every position. Softcapped attention scores
+are computed without SDPA, which has no cap.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from ..models.packed_matmul import pack_weight, packed_linear
 from . import small_matmul
-from .architectures import ARCHITECTURES, architecture_of, layer_rotary_types, layer_windows
+from .architectures import ARCHITECTURES, LayerPlan, Scalars, architecture_of, layer_plans, scalars_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -114,35 +119,87 @@ class _Separate:
         return tuple(linear(x) for linear in self._linears)
 
 
+class _Split:
+    """One linear layer whose output is several layers' (Phi-3's `qkv_proj`, `gate_up_proj`): one product, returned
+    as its column slices of `widths`."""
+
+    def __init__(self, module: torch.nn.Module, widths: list[int], packed: bool) -> None:
+        self._linear = _Linear(module, packed)
+        self._widths = widths
+
+    def pack(self) -> None:
+        self._linear.pack()
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self._linear(x).split(self._widths, dim=-1)
+
+
 def _same_input(modules: list[torch.nn.Module], packed: bool) -> _Stacked | _Separate:
     return _Stacked(modules) if _Stacked.applies(modules, packed) else _Separate(modules, packed)
 
 
-class _Layer:
-    """One decoder layer's modules, its linear layers wrapped as `_Linear` (pre-packed with `packed`; q, k and v, and
-    gate and up, stacked where `_Stacked` applies), its norms as its `Architecture` names them, and its attention
-    window (None: full) and rotary embedding's layer type (None: the one for all layers)."""
+def _projections(
+    owner: torch.nn.Module, names: tuple[str, ...], fused: str, widths: list[int], packed: bool
+) -> _Stacked | _Separate | _Split:
+    """The projections `names` of `owner` as one callable returning each one's output, from its fused layer
+    `fused` where the family has one."""
+    if isinstance(getattr(owner, fused, None), torch.nn.Module):
+        return _Split(getattr(owner, fused), widths, packed)
+    return _same_input([getattr(owner, name) for name in names], packed)
 
-    def __init__(
-        self, layer: torch.nn.Module, norms: tuple, window: int | None, rotary_type: str | None, packed: bool = False
-    ) -> None:
+
+class _Scaled:
+    """A module's output times a constant (Granite's embedding and residual multipliers)."""
+
+    def __init__(self, module: Callable[[torch.Tensor], torch.Tensor], multiplier: float) -> None:
+        self.module, self.multiplier = module, multiplier
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x) * self.multiplier
+
+
+class _Layer:
+    """One decoder layer's modules: its linear layers wrapped as `_Linear` (pre-packed with `packed`; q, k and v,
+    and gate and up, stacked where `_Stacked` applies, split from one product where the family fuses them), its
+    norms as its plan names them (a residual multiplier folded into the branch outputs), and the rest of its `plan`.
+    `widths` are q's, k's and v's (to split a fused projection). An MLP without gate, up and down projections (a
+    mixture of experts) is the model's module, called as is."""
+
+    def __init__(self, layer: torch.nn.Module, plan: LayerPlan, widths: list[int], packed: bool = False) -> None:
         attention, mlp = layer.self_attn, layer.mlp
         self.attention = attention
-        self.pre_attention, self.post_attention, self.pre_mlp, self.post_mlp = (
-            getattr(layer, name) if name else _identity for name in norms
-        )
-        self.qkv = _same_input([attention.q_proj, attention.k_proj, attention.v_proj], packed)
+        norms = [getattr(layer, name) if name else _identity for name in plan.norms]
+        if plan.residual_multiplier is not None:
+            for index in (1, 3):
+                norms[index] = _Scaled(norms[index], plan.residual_multiplier)
+        self.pre_attention, self.post_attention, self.pre_mlp, self.post_mlp = norms
+        self.qkv = _projections(attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj", widths, packed)
         self.o = _Linear(attention.o_proj, packed)
-        self.gate_up = _same_input([mlp.gate_proj, mlp.up_proj], packed)
-        self.down = _Linear(mlp.down_proj, packed)
-        self.linears = (self.qkv, self.o, self.gate_up, self.down)
-        self.act = mlp.act_fn
-        self.window, self.rotary_type = window, rotary_type
+        self.linears: list[_Linear | _Stacked | _Separate | _Split] = [self.qkv, self.o]
+        if hasattr(mlp, "down_proj"):
+            widths = [mlp.down_proj.in_features] * 2
+            self.gate_up = _projections(mlp, ("gate_proj", "up_proj"), "gate_up_proj", widths, packed)
+            self.down = _Linear(mlp.down_proj, packed)
+            self.linears += [self.gate_up, self.down]
+            self.act = getattr(mlp, "act_fn", None) or mlp.activation_fn
+            self.mlp = self._gated_mlp
+        else:
+            self._block = mlp
+            self.mlp = self._block_mlp
+        has_qk_norm = hasattr(attention, "q_norm")
+        self.projection_qk_norm = has_qk_norm and plan.qk_norm_over_projection
+        self.head_qk_norm = has_qk_norm and not plan.qk_norm_over_projection
+        self.window, self.rotary_type, self.rotates = plan.window, plan.rotary_type, plan.rotates
+        self.softcap = plan.attention_softcap
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def _gated_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The model's MLP branch: `down(act(gate(x)) * up(x))` between the layer's norms."""
         gate, up = self.gate_up(self.pre_mlp(x))
         return self.post_mlp(self.down(self.act(gate) * up))
+
+    def _block_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's MLP module on the step's tokens, as one sequence (its router picks experts per token)."""
+        return self.post_mlp(self._block(self.pre_mlp(x)[None])[0])
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -182,26 +239,31 @@ class SlotDecoder:
 
     def __init__(self, model: PreTrainedModel, packed: bool = False) -> None:
         config = model.config
-        norms = architecture_of(config).norms
+        scalars = scalars_of(config)
         base = model.model
-        self._embed, self._norm, self._rotary = base.embed_tokens, base.norm, base.rotary_emb
+        self._norm, self._rotary = base.norm, base.rotary_emb
+        self._embed = base.embed_tokens
+        if scalars.embedding_multiplier is not None:
+            self._embed = _Scaled(base.embed_tokens, scalars.embedding_multiplier)
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = base.layers[0].self_attn.head_dim
+        widths = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
         layers = list(base.layers)[: config.num_hidden_layers]
-        per_layer = zip(layers, layer_windows(config), layer_rotary_types(config), strict=True)
         # bf16 has no small-batch kernel, and oneDNN's packed bf16 products are faster than its plain ones
         pack_layers = packed and model.dtype == torch.bfloat16
         self._layers = [
-            _Layer(layer, norms, window, rotary_type, pack_layers) for layer, window, rotary_type in per_layer
+            _Layer(layer, plan, widths, pack_layers) for layer, plan in zip(layers, layer_plans(config), strict=True)
         ]
+        parallel = architecture_of(config).parallel_branches
+        self._run_layer = self._parallel_layer if parallel else self._sequential_layer
         head = model.lm_head
         self._head = _Linear(head, packed and (pack_layers or head.weight.numel() >= _PACK_MIN_NUMEL))
+        self._logit_steps = _logit_steps(scalars)
         self._vocab_size = head.weight.shape[0]
         attention = self._layers[0].attention
         self._rope = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the model's own rotation
-        self._qk_norm = hasattr(attention, "q_norm")
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = attention.head_dim
         self._scale = attention.scaling
-        self._dtype = self._embed.weight.dtype
+        self._dtype = base.embed_tokens.weight.dtype
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self.lengths = torch.zeros(0, dtype=torch.long)
@@ -296,11 +358,12 @@ class SlotDecoder:
         prompt_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
         for index, layer in enumerate(self._layers):
             cos, sin = rotations[layer.rotary_type]
-            mask = masks[layer.window]
-            hidden = hidden + self._attention(index, layer, hidden, cos, sin, mask, spans, prompt_kv)
-            hidden = hidden + layer.mlp(hidden)
+            hidden = self._run_layer(index, layer, hidden, cos, sin, masks[layer.window], spans, prompt_kv)
         last = torch.tensor([*range(rows), *(end - 1 for _, end in spans)], dtype=torch.long)
-        logits = self._head(self._norm(hidden[last])).float()
+        logits = self._head(self._norm(hidden[last]))
+        for logit_step in self._logit_steps:
+            logits = logit_step(logits)
+        logits = logits.float()
         self.lengths[:rows] += 1
         prefixes = [
             Prefix(
@@ -334,37 +397,69 @@ class SlotDecoder:
             hidden |= keys <= lengths[:, None] - window
         return torch.zeros(hidden.shape, dtype=self._dtype).masked_fill_(hidden, float("-inf"))[:, None, None]
 
-    def _attention(self, index, layer, hidden, cos, sin, mask, spans, prompt_kv) -> torch.Tensor:
-        attention = layer.attention
+    def _sequential_layer(
+        self, index: int, layer: _Layer, hidden: torch.Tensor, *attention_inputs: Any
+    ) -> torch.Tensor:
+        """A layer whose MLP reads the attention branch's residual sum (every family but Cohere)."""
+        hidden = hidden + self._attention(index, layer, layer.pre_attention(hidden), *attention_inputs)
+        return hidden + layer.mlp(hidden)
+
+    def _parallel_layer(self, index: int, layer: _Layer, hidden: torch.Tensor, *attention_inputs: Any) -> torch.Tensor:
+        """A layer whose attention and MLP both read its one pre-norm's output (Cohere)."""
         x = layer.pre_attention(hidden)
+        return hidden + self._attention(index, layer, x, *attention_inputs) + layer.mlp(x)
+
+    def _attention(self, index, layer, x, cos, sin, mask, spans, prompt_kv) -> torch.Tensor:
+        """The attention branch on the normed hidden states `x`, the keys and values of its rows appended to their
+        slots and those of each prompt to `prompt_kv`."""
+        attention = layer.attention
         count = x.shape[0]
         q, k, v = layer.qkv(x)
+        if layer.projection_qk_norm:
+            q, k = attention.q_norm(q), attention.k_norm(k)
         q = q.view(count, self.heads, self.head_dim)
         k = k.view(count, self.kv_heads, self.head_dim)
         v = v.view(count, self.kv_heads, self.head_dim)
-        if self._qk_norm:
+        if layer.head_qk_norm:
             q, k = attention.q_norm(q), attention.k_norm(k)
-        q, k = self._rope(q, k, cos, sin, unsqueeze_dim=1)
+        if layer.rotates:
+            q, k = self._rope(q, k, cos, sin, unsqueeze_dim=1)
         out = torch.empty_like(q)
         rows = mask.shape[0] if mask is not None else 0
         if rows:
-            out[:rows] = self._decode_attention(index, q[:rows], k[:rows], v[:rows], mask)
+            out[:rows] = self._decode_attention(index, q[:rows], k[:rows], v[:rows], mask, layer.softcap)
         for i, (start, end) in enumerate(spans):
             keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # (kv_heads, len, head_dim)
             prompt_kv[i].append((keys.contiguous(), values.contiguous()))
+            out[start:end] = self._prompt_attention(q[start:end].transpose(0, 1), keys, values, layer).transpose(0, 1)
+        return layer.post_attention(layer.o(out.view(count, -1)))
+
+    def _prompt_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: _Layer
+    ) -> torch.Tensor:
+        """A prompt's causal attention to itself: (heads, len, head_dim) from its queries, keys and values (SDPA;
+        written out where the scores are softcapped, which SDPA does not do)."""
+        length = q.shape[1]
+        if layer.softcap is None:
             attended = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1)[None],
+                q[None],
                 keys[None],
                 values[None],
-                **_prompt_mask(end - start, layer.window),
+                **_prompt_mask(length, layer.window),
                 scale=self._scale,
                 enable_gqa=self.heads != self.kv_heads,
             )
-            out[start:end] = attended[0].transpose(0, 1)
-        return layer.post_attention(layer.o(out.view(count, -1)))
+            return attended[0]
+        group = self.heads // self.kv_heads
+        grouped = q.reshape(self.kv_heads, group, length, self.head_dim)
+        scores = torch.matmul(grouped, keys.transpose(1, 2)[:, None]).mul_(self._scale)
+        scores = scores.div_(layer.softcap).tanh_().mul_(layer.softcap)
+        scores = scores.masked_fill_(~_visible(length, layer.window), float("-inf"))
+        return torch.matmul(scores.softmax(dim=-1), values[:, None]).view(self.heads, length, self.head_dim)
 
-    def _decode_attention(self, index, q, k, v, mask) -> torch.Tensor:
-        """Each row's query against its slot: (rows, heads, head_dim) after appending its key and value."""
+    def _decode_attention(self, index, q, k, v, mask, softcap: float | None = None) -> torch.Tensor:
+        """Each row's query against its slot: (rows, heads, head_dim) after appending its key and value; the scores
+        capped at `softcap` (`cap * tanh(scores / cap)`) when set."""
         rows, width = q.shape[0], mask.shape[-1]
         slot, position = torch.arange(rows), self.lengths[:rows]
         keys, values = self._keys[index], self._values[index]
@@ -376,8 +471,10 @@ class SlotDecoder:
         grouped = q.reshape(batches, group, self.head_dim)
         keys = keys[:rows, :, :width].view(batches, width, self.head_dim)
         values = values[:rows, :, :width].view(batches, width, self.head_dim)
-        scores = torch.bmm(grouped, keys.transpose(1, 2)).view(rows, self.kv_heads, group, width)
-        weights = scores.mul_(self._scale).add_(mask).softmax(dim=-1).view(batches, group, width)
+        scores = torch.bmm(grouped, keys.transpose(1, 2)).view(rows, self.kv_heads, group, width).mul_(self._scale)
+        if softcap is not None:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
+        weights = scores.add_(mask).softmax(dim=-1).view(batches, group, width)
         return torch.bmm(weights, values).view(rows, self.heads, self.head_dim)
 
 
@@ -385,5 +482,23 @@ def _prompt_mask(length: int, window: int | None) -> dict:
     """SDPA's mask arguments for a prompt's causal attention to itself, within `window` positions when set."""
     if window is None or length <= window:
         return {"is_causal": True}
+    return {"attn_mask": _visible(length, window)}
+
+
+def _visible(length: int, window: int | None) -> torch.Tensor:
+    """(length, length): whether query `i` of a prompt sees key `j` (causal, within `window` positions when set)."""
     gap = torch.arange(length)[:, None] - torch.arange(length)[None, :]
-    return {"attn_mask": (gap >= 0) & (gap < window)}
+    return (gap >= 0) & (gap < window) if window is not None else gap >= 0
+
+
+def _logit_steps(scalars: Scalars) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+    """The operations a family applies to the LM head's output, in its order (in the model's dtype)."""
+    steps = []
+    if scalars.logits_divisor is not None:
+        steps.append(lambda logits: logits / scalars.logits_divisor)
+    if scalars.logits_multiplier is not None:
+        steps.append(lambda logits: logits * scalars.logits_multiplier)
+    if scalars.logits_softcap is not None:
+        cap = scalars.logits_softcap
+        steps.append(lambda logits: torch.tanh(logits / cap) * cap)
+    return tuple(steps)

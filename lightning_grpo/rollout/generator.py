@@ -6,6 +6,9 @@ batched continuously on a worker thread (`batching.py`): a request joins the run
 finished one leaves it at once, and the samples of one prompt share one prefill. Each caller gets its result on its
 own event loop, which never blocks. Between steps the worker applies the newest weights the trainer published
 (`weight_receiver`); each output lists the version that sampled each token and is tagged with the oldest.
+
+Runs every decoder-only causal LM: the families of `architectures.ARCHITECTURES` on the fast slot decoder, every other
+one through the model's own forward and cache (`generic_decoder`); `decoder_choice.choose_decoder` picks.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import torch
 
 from ..models.packed_matmul import packing_available
 from .batching import ContinuousBatch, GenerationOutput, SamplingOptions
-from .decoder import check_supported
+from .decoder_choice import DecoderName, check_decoder_name, choose_decoder
+from .generic_decoder import GenericDecoder
 from .stop_strings import StopStrings, check_stop
 
 if TYPE_CHECKING:
@@ -46,6 +50,15 @@ class PolicySpec:
     With `name` the weights come with it (`lightning_grpo.models.load_policy`). With `config` the model is built
     with random weights and the generator waits for the trainer's first weight sync before it samples, so the child
     never needs a checkpoint on disk.
+
+    Example::
+
+        from lightning_grpo import PolicySpec
+        from lightning_grpo.models import load_policy
+
+        by_name = PolicySpec(name="tiny-random")
+        # from a model: its config travels, not its weights
+        from_a_model = PolicySpec.from_model(load_policy("tiny-random"))
     """
 
     name: str | None = None  # a `load_policy` name ("tiny-random", "gemma-3-270m", ...), a local folder, a Hub id
@@ -110,8 +123,13 @@ class EmbeddedGenerator:
     model built without weights (`PolicySpec(config=...)`) waits for the first sync.
 
     Sampling follows vLLM's order and its `processed_logprobs`: repetition penalty, temperature, min-p, top-k, top-p
-    (`process_logits`); each logprob is that of the distribution its token was drawn from. Runs the decoder families
-    of `architectures.ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3, Gemma 3).
+    (`process_logits`); each logprob is that of the distribution its token was drawn from.
+
+    Runs every decoder-only causal LM (`AutoModelForCausalLM`): the families of `architectures.ARCHITECTURES` on the
+    fast decoder (`decoder.SlotDecoder`: its own attention over a slot cache, packed weights), every other one
+    (Phi-3, GPT-2, Mixtral, Gemma 2, hybrids of attention with Mamba, convolution or Gated DeltaNet layers, ...)
+    through the model's own forward and cache (`generic_decoder.GenericDecoder`). It logs which one at start-up, and
+    why. An encoder or an encoder-decoder is refused.
 
     Call `generate` from one event loop at a time. `close()` (or the context manager) stops the thread.
 
@@ -134,13 +152,16 @@ class EmbeddedGenerator:
         model_version: version of the weights the model starts with (ignored until a sync, for a config-only model).
         seed: seeds the sampling of requests that pass no seed of their own; None draws a random seed.
         num_threads: if set, `torch.set_num_threads(num_threads)`, which applies to the whole process.
+        decoder: "auto" (the fast decoder for the families it runs, else the generic one), or "fast" / "generic"
+            to force one (`decoder_choice.choose_decoder`).
         core_sharing: the trainer's `CoreSharing` (the rollout child gets it from the data module with
             `trainer_threads="auto"`): the generator then marks itself idle while it waits for requests and, before
             each decode step, runs on its own threads plus the trainer's while the trainer waits for rollouts.
 
     Raises:
         ValueError: a sampling option out of range (all problems in one message), a model without weights and no
-            `weight_receiver`, stop strings without a tokenizer, or a model type it cannot run.
+            `weight_receiver`, stop strings without a tokenizer, a model that is not a decoder-only causal LM, or
+            `decoder="fast"` for a model the fast decoder does not run.
 
     Example::
 
@@ -168,6 +189,7 @@ class EmbeddedGenerator:
         model_version: int = 0,
         seed: int | None = None,
         num_threads: int | None = None,
+        decoder: DecoderName = "auto",
         core_sharing: CoreSharing | None = None,
     ) -> None:
         _check_options(
@@ -181,6 +203,8 @@ class EmbeddedGenerator:
             max_batch_size=max_batch_size,
             num_threads=num_threads,
         )
+        if isinstance(model, PolicySpec) and model.config is not None:
+            choose_decoder(model.config, decoder)  # before building a model it would refuse
         if isinstance(model, str):
             model = PolicySpec(name=model)
         has_weights = model.has_weights if isinstance(model, PolicySpec) else True
@@ -193,7 +217,8 @@ class EmbeddedGenerator:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self._model = (model.build() if isinstance(model, PolicySpec) else model).eval()
-        check_supported(self._model)
+        choice = choose_decoder(self._model.config, decoder)
+        log.info("EmbeddedGenerator decodes on the %s path: %s", choice.path, choice.reason)
         self._vocab_size = self._model.get_input_embeddings().num_embeddings
         self._eos = frozenset(_default_eos(self._model) if eos_token_ids is None else _as_ids(eos_token_ids))
         self.sampling = SamplingOptions(float(temperature), int(top_k), float(top_p), min_p, float(repetition_penalty))
@@ -214,6 +239,7 @@ class EmbeddedGenerator:
             max_rows=max_batch_size,
             rng=rng,
             packed=packing_available(self._model.dtype),
+            decoder=GenericDecoder(self._model) if choice.path == "generic" else None,
         )
         self._weight_syncs = 0
         self._cores = core_sharing
@@ -369,17 +395,22 @@ class GeneratorSpec:
     """How to build an `EmbeddedGenerator` in the rollout child: its arguments, without the model's weights.
 
     Takes exactly `EmbeddedGenerator`'s arguments (the policy as a `PolicySpec` or a `load_policy` name, then its
-    keyword options) and checks them here, against its signature and ranges (and a config-only policy's model type),
-    so a bad value fails in the trainer before the child is spawned. It pickles in microseconds (plus the tokenizer,
-    when stop strings need one); `build()` runs in the child.
+    keyword options) and checks them here, against its signature and ranges (and that a config-only policy is a
+    causal LM), so a bad value fails in the trainer before the child is spawned. It pickles in microseconds (plus
+    the tokenizer, when stop strings need one); `build()` runs in the child.
 
     Raises:
         TypeError: an argument `EmbeddedGenerator` does not take.
-        ValueError: an option out of range (all problems in one message), or a model type the generator cannot run.
+        ValueError: an option out of range (all problems in one message), or a config-only policy that is not a
+            decoder-only causal LM.
 
     Example::
 
-        spec = GeneratorSpec(PolicySpec.from_model(policy), temperature=0.7, weight_receiver=transfer.receiver())
+        spec = GeneratorSpec(
+            PolicySpec.from_model(policy),
+            temperature=0.7,
+            weight_receiver=transfer.receiver(),
+        )
         generator = spec.build()  # in the rollout child
     """
 
@@ -393,8 +424,11 @@ class GeneratorSpec:
         bound.apply_defaults()
         _check_options(**{name: bound.arguments[name] for name in _CHECKED})
         self.policy = PolicySpec(name=policy) if isinstance(policy, str) else policy
+        decoder = options.get("decoder", "auto")
         if self.policy.config is not None:
-            check_supported(self.policy.config)
+            choose_decoder(self.policy.config, decoder)
+        else:
+            check_decoder_name(decoder)
         self.options = options
 
     def build(self, core_sharing: CoreSharing | None = None) -> EmbeddedGenerator:

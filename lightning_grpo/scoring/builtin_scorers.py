@@ -113,7 +113,8 @@ class FeatureMatchingScorer(TrainerScorer):
     `layers`, pooled over the completion (`"mean"`) or taken at the last token (`"last"`), each L2-normalised,
     concatenated and normalised again (`phi`, unit norm). Sample j of a group of G gets
 
-        r_j = 2 * alignment_coef * cos(phi(y_j), phi(y_ref)) - 2 * diversity_coef * mean_{j' != j} phi(y_j) . phi(y_j')
+        r_j = 2 * alignment_coef * cos(phi(y_j), phi(y_ref))
+              - 2 * diversity_coef * mean_{j' != j} phi(y_j) . phi(y_j')
 
     (with several references, the alignment is averaged over them; a group without one is not scored). Metrics per
     group: `alignment`, `diversity` and `cfm` (`||mean_j phi(y_j) - phi(y_ref)||^2`, the feature-matching loss).
@@ -133,6 +134,15 @@ class FeatureMatchingScorer(TrainerScorer):
         name: the reward column's name.
         token_budget: packed tokens per scoring forward; `<= 0` scores a row in one forward.
         share_prefixes: tree-pack common prefixes.
+
+    Example::
+
+        from lightning_grpo import FeatureMatchingScorer, GRPOModule
+        from lightning_grpo.models import load_policy
+
+        feature_model = load_policy("tiny-random")  # e.g. a copy of the initial policy
+        scorer = FeatureMatchingScorer(feature_model, layers=(0.5, 1.0), diversity_coef=0.5)
+        module = GRPOModule("tiny-random", scorers=[scorer])
     """
 
     def __init__(

@@ -40,6 +40,39 @@ class TrainerScorer(ABC):
 
     Attributes:
         name: the reward column's name (in logs: `rewards/<name>`).
+
+    Example::
+
+        import torch
+
+        from lightning_grpo import GRPOModule, TrainerScorer
+
+
+        class Brevity(TrainerScorer):
+            # shorter completions score higher, computed on the trainer (where a
+            # model's forward would run)
+            name = "brevity"
+
+            def collate(self, rows, index):
+                inputs = [
+                    {
+                        "uids": torch.tensor([d["uid"] for d in row.samples]),
+                        "lengths": torch.tensor(
+                            [int(d["completion_mask"].sum()) for d in row.samples]
+                        ),
+                    }
+                    for row in rows
+                ]
+                return inputs, {"uids": -1, "lengths": 0}
+
+            def features(self, module, inputs):
+                return inputs["uids"], inputs["lengths"].float()
+
+            def group_rewards(self, sample_features, extra_features):
+                return -sample_features / sample_features.max().clamp(min=1.0), {}
+
+
+        module = GRPOModule("tiny-random", scorers=[Brevity()], scorer_weights=[0.5])
     """
 
     name: str = "trainer_score"

@@ -15,6 +15,9 @@ Two implementations sit behind one attention function:
   per-segment Python loop is slower than either once a row holds more than a few samples).
 - Flash (CUDA, fp16/bf16, with the `kernels` package and the hub reachable once): TRL's FA3 varlen call.
 
+A logit softcap (gemma2) and attention sinks (gpt_oss) run on the first, by explicit products (the kernels above
+take neither a sink; SDPA takes no softcap), on any device.
+
 `register_tree_attention()` registers the function with transformers under `"tree"` and under TRL's name
 `"tree_fa3"`, so a model loaded by TRL's trainer also runs on CPU. A model switched to it (`use_tree_attention`)
 must be called with the `tree_*` keyword arguments (`tree_model_kwargs`); it has no padded-batch mode.
@@ -116,9 +119,16 @@ class TreeAttentionPlan:
         scaling: float | None = None,
         dropout: float = 0.0,
         sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention output `(1, N, H, D)` for `query` `(1, H, N, D)` and `key`/`value` `(1, H_kv, N, D)`."""
-        attention = functools.partial(_attention, scale=scaling, dropout=dropout)  # SDPA, or products (see there)
+        """Attention output `(1, N, H, D)` for `query` `(1, H, N, D)` and `key`/`value` `(1, H_kv, N, D)`.
+
+        `softcap` caps the scores at `softcap * tanh(score / softcap)`; `sinks` `(H,)` adds one logit per head to each
+        softmax's denominator (a sink that takes probability mass and gives no value), as gpt_oss's eager attention.
+        """
+        # SDPA, or products (see there)
+        attention = functools.partial(_attention, scale=scaling, dropout=dropout, softcap=softcap, sinks=sinks)
         if self.layout == "dense":
             mask = self.mask
             if sliding_window:
@@ -128,8 +138,10 @@ class TreeAttentionPlan:
         for batch in self.batches:
             mask = batch.mask
             if sliding_window:
-                gap = batch.query_depth[:, :, None] - torch.arange(mask.shape[-1], device=mask.device)
-                mask = mask & (gap < sliding_window)[:, None]
+                keys = torch.arange(mask.shape[-1], device=mask.device)
+                mask = mask & (batch.query_depth[:, :, None] - keys < sliding_window)[:, None]
+                # a padding query the window left without a key would give NaN, and NaN gradients through the gather
+                mask = mask | (~mask.any(-1, keepdim=True) & (keys == 0))
             q, k, v = (
                 _gather(x, index)
                 for x, index in ((query, batch.query_index), (key, batch.key_index), (value, batch.key_index))
@@ -152,13 +164,16 @@ def _attention(
     attn_mask: torch.Tensor,
     scale: float | None,
     dropout: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`scaled_dot_product_attention` of `query` (B, H, Lq, D) over `key`/`value` (B, H_kv, Lk, D) where `attn_mask`
-    (B or 1, 1, Lq, Lk; True = attend) allows; by `_attention_by_products` on a CPU in half precision for small calls."""
+    (B or 1, 1, Lq, Lk; True = attend) allows; by `_attention_by_products` on a CPU in half precision for small calls,
+    and always with a `softcap` or `sinks`, which SDPA does not take."""
     batch, heads, length_q, _ = query.shape
     small = batch * heads * length_q * key.shape[2] <= _PRODUCTS_MAX_SCORES
-    if query.device.type == "cpu" and _half_precision_products(query) and small:
-        return _attention_by_products(query, key, value, attn_mask, scale, dropout)
+    if softcap or sinks is not None or (query.device.type == "cpu" and _half_precision_products(query) and small):
+        return _attention_by_products(query, key, value, attn_mask, scale, dropout, softcap, sinks)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout, scale=scale, enable_gqa=heads != key.shape[1]
     )
@@ -172,17 +187,32 @@ def _half_precision_products(query: torch.Tensor) -> bool:
 
 
 def _attention_by_products(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float | None, dropout: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None,
+    dropout: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T x scale, masked) v as two batched products, the softmax in float32; the queries that share a key
-    and value head (grouped-query attention, query head h reads kv head h // (H / H_kv)) in one product with it."""
+    and value head (grouped-query attention, query head h reads kv head h // (H / H_kv)) in one product with it.
+    `softcap` and `sinks` as in `TreeAttentionPlan.attend`."""
     batch, heads, length_q, dim = query.shape
     kv_heads, length_k = key.shape[1], key.shape[2]
     group = heads // kv_heads
     scores = torch.matmul(query.reshape(batch, kv_heads, group * length_q, dim), key.transpose(-1, -2))
     scores = scores.view(batch, kv_heads, group, length_q, length_k).mul(dim**-0.5 if scale is None else scale)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)  # the products' dtype
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)  # the products' dtype
+    else:
+        sink = sinks.to(scores.dtype).view(1, kv_heads, group, 1, 1).expand(batch, -1, -1, length_q, 1)
+        weights = torch.softmax(torch.cat([scores, sink], -1), dim=-1, dtype=torch.float32)[..., :-1]
+        weights = weights.to(scores.dtype)
     if dropout:
         weights = F.dropout(weights, dropout)
     out = torch.matmul(weights.view(batch, kv_heads, group * length_q, length_k), value)
@@ -246,22 +276,25 @@ def tree_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention of one packed row over its prefix trie (transformers' attention-function signature).
 
-    Runs TRL's FA3 varlen kernel when `_use_flash` says it can, else SDPA with `tree_plan` (built here when the caller
-    did not pass one; `tree_model_kwargs` builds it once per forward instead of once per layer).
+    Runs TRL's FA3 varlen kernel when `_use_flash` says it can (and the module has no attention sinks, which it does
+    not take), else SDPA with `tree_plan` (built here when the caller did not pass one; `tree_model_kwargs` builds it
+    once per forward instead of once per layer).
 
     Raises:
-        ValueError: when called without the `tree_*` arguments (a plain padded batch), with a batch of more than one
-            row, or with a softcap or attention sinks on the SDPA path.
+        ValueError: when called without the `tree_*` arguments (a plain padded batch, or a model whose layers do not
+            pass their keyword arguments on to the attention function), or with a batch of more than one row.
     """
     if tree_kv_index is None or tree_cu_seqlens_q is None or tree_cu_seqlens_k is None:
         raise ValueError(
-            "Tree attention needs the packed row's `tree_kv_index`, `tree_cu_seqlens_q` and `tree_cu_seqlens_k`; "
-            "pass `**tree_model_kwargs(inputs)` to the model, or switch it back with "
-            "`model.set_attn_implementation('sdpa')` for a padded batch."
+            f"Tree attention in {type(module).__name__} got no `tree_kv_index`, `tree_cu_seqlens_q` and "
+            "`tree_cu_seqlens_k`: pass `**tree_model_kwargs(inputs)` to the model, or switch it back with "
+            "`model.set_attn_implementation('sdpa')` for a padded batch. A model whose layers drop these arguments "
+            "trains with `GRPOModule(packing='padded')`."
         )
     if query.shape[0] != 1:
         raise ValueError(f"Tree attention runs one packed row (batch size 1), got batch size {query.shape[0]}.")
-    if _use_flash(query):
+    sinks = getattr(module, "sinks", None)
+    if sinks is None and _use_flash(query):
         from .._trl import flash_tree_attention
 
         return flash_tree_attention(
@@ -279,13 +312,11 @@ def tree_attention(
             sliding_window=sliding_window,
             softcap=softcap,
         )
-    if softcap:
-        raise ValueError(f"The SDPA tree attention has no logit softcap (got softcap={softcap}); use the flash path.")
-    if getattr(module, "sinks", None) is not None:
-        raise ValueError(f"{type(module).__name__} has attention sinks, which tree attention does not support.")
     if tree_plan is None:
         tree_plan = TreeAttentionPlan.build(tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k)
-    out = tree_plan.attend(query, key, value, scaling=scaling, dropout=dropout, sliding_window=sliding_window)
+    out = tree_plan.attend(
+        query, key, value, scaling=scaling, dropout=dropout, sliding_window=sliding_window, softcap=softcap, sinks=sinks
+    )
     return out, None
 
 

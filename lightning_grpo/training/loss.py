@@ -1,4 +1,5 @@
-"""The GRPO family of policy losses on packed rows: per-term log-probabilities from one tree forward, and TRL 1.16
+"""The GRPO family of policy losses on packed rows: per-term log-probabilities from one forward (the tree forward, or
+the padded one for models that cannot take tree attention: `lightning_grpo.training.forward`), and TRL 1.16
 GRPOTrainer's objectives with an exact normalisation over ranks and micro-batches.
 
 One micro-batch is one rank's packed row (`lightning_grpo.pipeline.batch`): `M` loss terms, each a trained token of
@@ -18,10 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .attention import tree_model_kwargs, use_tree_attention
+from .forward import packed_logprobs, term_logprobs
 from .loss_options import TOKEN_MEAN_LOSSES, LossOptions
 from .loss_stats import LossStats
-from .selected_logprobs import selected_logprobs
+from .packing_choice import PackingPath
 
 __all__ = [
     "LossContext",
@@ -34,75 +35,8 @@ __all__ = [
     "micro_batch_loss",
     "packed_logprobs",
     "policy_loss",
+    "term_logprobs",
 ]
-
-
-def packed_logprobs(
-    model: torch.nn.Module,
-    micro_batch: dict[str, torch.Tensor],
-    temperature: float = 1.0,
-    *,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float | None = None,
-    entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability and entropy of every loss term of one packed micro-batch, under the sampling distribution.
-
-    Runs one tree-attention forward (switching `model` to tree attention on first use) and projects only the `M`
-    scored positions to the vocabulary, so the logits are `M x V`, not `N x V`. The distribution is the one the
-    generator sampled from: logits divided by `temperature`, then truncated to the tokens at least `min_p` times as
-    likely as the most likely one, the `top_k` most likely and the smallest set reaching `top_p` (`lightning_grpo.rollout.sampling.process_logits`, vLLM's processed logprobs)
-    and renormalised; the sampled token always stays in the set, so an update that pushes it out of the trainer's
-    truncation gives it a small log-probability rather than minus infinity. Without truncation and with a detached
-    entropy, `lightning_grpo.training.selected_logprobs` computes both a few rows at a time (the same values and gradient).
-
-    Args:
-        model: a causal LM that takes `logits_to_keep` (transformers' decoder models do), on the batch's device.
-        micro_batch: one rank's unpadded packed row (`input_ids`, `position_ids`, `shift_labels`, `tree_*`,
-            `token_index`).
-        temperature: the generator's sampling temperature.
-        top_k: the generator's top-k (0 = off).
-        top_p: the generator's nucleus mass (1 = off).
-        min_p: the generator's min-p (None or 0 = off).
-        entropy_grad: keep the entropy's graph (for an entropy bonus); otherwise it is detached (a metric).
-
-    Returns:
-        `(logprobs, entropy)`, each `(M,)` float32.
-    """
-    if temperature <= 0:
-        raise ValueError(f"`temperature={temperature}` must be positive (it divides the logits).")
-    use_tree_attention(_unwrap(model))
-    token_index = micro_batch["token_index"]
-    logits = model(**tree_model_kwargs(micro_batch), logits_to_keep=token_index, use_cache=False).logits[0]
-    labels = micro_batch["shift_labels"][token_index]
-    truncated = top_k > 0 or top_p < 1.0 or bool(min_p)
-    if not truncated and not entropy_grad:
-        # the full distribution with a detached entropy: chunked, without the (M, V) intermediates (float32 out, as
-        # below, also for a float64 model)
-        return selected_logprobs(logits.float() if logits.dtype == torch.float64 else logits, labels, temperature)
-    logits = logits.float() / temperature  # (M, V)
-    if truncated:
-        logits = _truncated(logits, labels, top_k, top_p, min_p)
-    log_norm = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(1, labels[:, None]).squeeze(1) - log_norm
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        probs = torch.softmax(logits, dim=-1)
-        # truncated tokens have probability 0 and logit -inf: leave them out of the sum (and out of its gradient)
-        entropy = log_norm - (probs * torch.where(torch.isfinite(logits), logits, 0.0)).sum(-1)
-    return logprobs, entropy if entropy_grad else entropy.detach()
-
-
-def _truncated(
-    logits: torch.Tensor, labels: torch.Tensor, top_k: int, top_p: float, min_p: float | None
-) -> torch.Tensor:
-    """`logits` with the tokens outside the sampler's min-p/top-k/top-p set at minus infinity (each label kept)."""
-    from ..rollout.sampling import process_logits
-
-    with torch.no_grad():
-        keep = torch.isfinite(process_logits(logits, 1.0, top_k, top_p, min_p=min_p))
-        keep[torch.arange(labels.numel(), device=labels.device), labels] = True
-    return logits.masked_fill(~keep, float("-inf"))
 
 
 @dataclass
@@ -170,6 +104,23 @@ def policy_loss(terms: LossTerms, options: LossOptions, norms: Normalizers) -> t
 
     Returns:
         `(loss, stats)`: a 0-dim loss to backpropagate, and the micro-batch's `LossStats` (TRL's metric names).
+
+    Example::
+
+        import torch
+
+        from lightning_grpo import LossOptions, policy_loss
+        from lightning_grpo.training.loss import LossTerms, Normalizers
+
+        terms = LossTerms(
+            logprobs=torch.tensor([-1.0, -0.5, -2.0], requires_grad=True),
+            sampling_logprobs=torch.tensor([-1.1, -0.5, -1.9]),
+            advantages=torch.tensor([1.0, 1.0, -1.0]),
+            segment_id=torch.tensor([0, 0, 1]),  # two samples: 2 tokens, then 1
+        )
+        norms = Normalizers(tokens=3, sequences=2)  # the whole step's
+        loss, stats = policy_loss(terms, LossOptions(loss_type="grpo"), norms)
+        loss.backward()
     """
     valid = ~torch.isnan(terms.advantages)
     # a NaN left in either branch of a where/min leaks into the gradient even where it is not selected
@@ -448,7 +399,10 @@ class LossContext:
         temperature, top_k, top_p, min_p: the generator's sampling distribution (`RolloutContract`).
         max_completion_length: the Dr. GRPO constant.
         world_size: ranks.
-        num_micro_batches: micro-batches per rank in the step (the entropy bonus's per-micro-batch weight).
+        num_micro_batches: micro-batches per rank in the step (the entropy bonus's and the MoE loss's weight).
+        packing: the forward, `"tree"` or `"padded"` (`lightning_grpo.training.packing_choice.choose_packing`).
+        router_aux_loss_coef: the MoE load-balancing loss's weight (0: the model is not asked for it; see
+            `lightning_grpo.training.router_aux_loss`).
     """
 
     temperature: float = 1.0
@@ -458,9 +412,19 @@ class LossContext:
     max_completion_length: int = 1
     world_size: int = 1
     num_micro_batches: int = 1
+    packing: PackingPath = "tree"
+    router_aux_loss_coef: float = 0.0
 
     @classmethod
-    def for_step(cls, contract: Any, world_size: int, num_micro_batches: int) -> LossContext:
+    def for_step(
+        cls,
+        contract: Any,
+        world_size: int,
+        num_micro_batches: int,
+        *,
+        packing: PackingPath = "tree",
+        router_aux_loss_coef: float = 0.0,
+    ) -> LossContext:
         """The context of one optimizer step under a `RolloutContract`."""
         return cls(
             temperature=contract.temperature,
@@ -470,6 +434,8 @@ class LossContext:
             max_completion_length=contract.max_completion_length,
             world_size=world_size,
             num_micro_batches=num_micro_batches,
+            packing=packing,
+            router_aux_loss_coef=router_aux_loss_coef,
         )
 
 
@@ -481,12 +447,14 @@ def micro_batch_loss(
 
     Reads the micro-batch's `old_log_probs`, `advantages`, `segment_id`, `step_trained_tokens`, `step_sequences`,
     and when present `proximal_log_probs` (the first pass's log-probabilities, for later updates on the same step)
-    and `ref_log_probs` (the reference model's).
+    and `ref_log_probs` (the reference model's). With `context.router_aux_loss_coef`, adds GRPOTrainer's MoE term:
+    `router_aux_loss_coef * aux_loss / num_micro_batches` (the model's load-balancing loss over the tokens this
+    forward ran; DDP's average over ranks makes it the step's mean), logged as `aux_loss`.
 
     Returns:
         `(loss, stats, logprobs)`: the loss to backpropagate, its stats, and the `(M,)` log-probabilities, detached.
     """
-    logprobs, entropy = packed_logprobs(
+    forward = term_logprobs(
         policy,
         micro_batch,
         context.temperature,
@@ -494,7 +462,10 @@ def micro_batch_loss(
         top_p=context.top_p,
         min_p=context.min_p,
         entropy_grad=options.entropy_coef != 0,
+        packing=context.packing,
+        router_aux_loss=context.router_aux_loss_coef != 0,
     )
+    logprobs, entropy = forward.logprobs, forward.entropy
     advantages = micro_batch["advantages"]
     terms = LossTerms(
         logprobs=logprobs,
@@ -523,7 +494,22 @@ def micro_batch_loss(
         world_size=context.world_size,
     )
     loss, stats = policy_loss(terms, options, norms)
+    if context.router_aux_loss_coef != 0:
+        loss = loss + _router_aux_term(forward.aux_loss, context, stats)
     return loss, stats, logprobs.detach()
+
+
+def _router_aux_term(aux_loss: torch.Tensor | None, context: LossContext, stats: LossStats) -> torch.Tensor:
+    """This micro-batch's share of `router_aux_loss_coef * aux_loss`, counted in the `loss` total too."""
+    if aux_loss is None:
+        raise ValueError(
+            f"`router_aux_loss_coef={context.router_aux_loss_coef}`, but the policy returned no `aux_loss` when called "
+            "with `output_router_logits=True`; set `router_aux_loss_coef=0`."
+        )
+    term = context.router_aux_loss_coef * aux_loss.float() / context.num_micro_batches
+    stats.add_mean("aux_loss", aux_loss.detach().float(), torch.ones((), device=aux_loss.device))
+    stats.add_total("loss", term.detach() / context.world_size)
+    return term
 
 
 def grpo_loss(
@@ -545,6 +531,19 @@ def grpo_loss(
     the micro-batch's loss is `sum_t loss_t * world_size / normalizer`: summing a step's backward passes and
     averaging gradients over ranks, as DDP does, gives the gradient of the token mean over the whole step. Terms with
     a NaN advantage contribute nothing. `policy_loss` takes every other option.
+
+    Example::
+
+        import torch
+
+        from lightning_grpo import grpo_loss
+
+        # the policy's log-probabilities of 3 trained tokens, and the generator's
+        logprobs = torch.tensor([-1.0, -0.5, -2.0], requires_grad=True)
+        old_log_probs = torch.tensor([-1.1, -0.5, -1.9])
+        advantages = torch.tensor([1.0, 1.0, -1.0])  # each token's sample advantage
+        loss, stats = grpo_loss(logprobs, old_log_probs, advantages, normalizer=3)
+        loss.backward()
     """
     terms = LossTerms(
         logprobs=logprobs,
@@ -555,10 +554,3 @@ def grpo_loss(
     )
     options = LossOptions(epsilon=epsilon, epsilon_high=epsilon_high)
     return policy_loss(terms, options, Normalizers(tokens=normalizer, world_size=world_size))
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside a DDP/FSDP/compile wrapper."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return getattr(model, "_orig_mod", model)

@@ -31,6 +31,12 @@ class LossOptions:
     correction only when vLLM generates, and recomputes the old log-probabilities with the trainer's weights at
     generation time. Here the generator always runs apart (a stale copy, or vLLM) and the ratio is taken against its
     log-probabilities directly, as TRL's async GRPO does; the correction is an opt-in (see `policy_loss`).
+
+    Example::
+
+        from lightning_grpo import LossOptions
+
+        options = LossOptions(loss_type="grpo", beta=0.04, epsilon_high=0.28)
     """
 
     loss_type: LossType = "dapo"

@@ -1,5 +1,6 @@
 """`GRPOModule.configure_model`, delegated: the policy to train (loaded by name, LoRA adapters, activation
-checkpointing), the reference model of the KL term, and both sharded as the strategy asks."""
+checkpointing), its forward (tree or padded) and MoE loss weight, the reference model of the KL term, and both
+sharded as the strategy asks."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..models.lora import is_peft_model
+from .packing_choice import PackingMode, PackingPath, base_model, choose_packing
 from .policy import apply_peft, enable_activation_checkpointing
 from .reference import ReferenceModel, ReferencePolicy, adapters_start_at_zero, make_reference
+from .router_aux_loss import router_aux_loss_coefficient
 from .sharding import shard_policy
 
 if TYPE_CHECKING:
@@ -43,6 +46,16 @@ def prepare_policy(
         enable_activation_checkpointing(policy)
     policy.train()
     return policy, fresh_adapters
+
+
+def policy_forward(
+    policy: torch.nn.Module, packing: PackingMode, router_aux_loss_coef: float | None
+) -> tuple[PackingPath, float]:
+    """The forward the policy trains on (`choose_packing`, logged) and its MoE load-balancing loss's weight
+    (`router_aux_loss_coefficient`: TRL's rule, the config's own weight when None, 0 for a dense model)."""
+    config = getattr(base_model(policy), "config", None)
+    coefficient = router_aux_loss_coefficient(config, router_aux_loss_coef) if config is not None else 0.0
+    return choose_packing(policy, packing), coefficient
 
 
 def generation_attention(policy: torch.nn.Module) -> str:

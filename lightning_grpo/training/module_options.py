@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from ..options import from_flat
 from .loss_options import LossOptions, ReferenceSync, module_loss_options
+from .packing_choice import PackingMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,8 @@ class ModuleOptions:
     validation: ValidationOptions  #: held-out sampling and scoring
     scorer_weights: list[float] | None  #: one weight per trainer-scorer column; None: 1 each
     dtype: Literal["float32", "bfloat16"]  #: the policy's dtype when loaded by name
+    packing: PackingMode  #: the forward: "tree", "padded", or "auto" (tree where it is exact)
+    router_aux_loss_coef: float | None  #: the MoE load-balancing loss's weight; None: the model config's
 
     @classmethod
     def from_hparams(cls, hparams: Mapping[str, Any], *, lora: bool) -> ModuleOptions:
@@ -43,8 +46,10 @@ class ModuleOptions:
 
         Raises:
             ValueError: an invalid loss option or combination, or `sync_ref_model` with LoRA (see
-                `module_loss_options`).
+                `module_loss_options`); a `packing` other than 'auto', 'tree' or 'padded'.
         """
+        if hparams["packing"] not in ("auto", "tree", "padded"):
+            raise ValueError(f"`GRPOModule(packing={hparams['packing']!r})` must be 'auto', 'tree' or 'padded'.")
         reference = from_flat(ReferenceSync, hparams)
         loss = module_loss_options(
             from_flat(LossOptions, hparams),
@@ -60,4 +65,6 @@ class ModuleOptions:
             validation=from_flat(ValidationOptions, hparams),
             scorer_weights=hparams["scorer_weights"],
             dtype=hparams["dtype"],
+            packing=hparams["packing"],
+            router_aux_loss_coef=hparams["router_aux_loss_coef"],
         )

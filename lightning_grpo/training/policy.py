@@ -13,6 +13,7 @@ anything is loaded, naming the modules it has.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 CHECKPOINT_KEY = "lightning_grpo_policy"
 # Layer types LoRA can adapt, for the list of modules a bad `target_modules` is shown.
 _ADAPTABLE = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
+# The Mamba mixer's layers PEFT refuses to adapt (`peft.tuners.tuners_utils._check_lora_target_modules_mamba`).
+_MAMBA_FUSED = ("out_proj", "conv1d")
 
 
 def trainable_parameters(policy: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -63,13 +66,8 @@ def apply_peft(policy: torch.nn.Module, peft_config: LoraConfig, *, policy_name:
         ValueError: PEFT refused the config (e.g. no module matches `target_modules`); the message lists the modules
             of `policy` that LoRA could adapt.
     """
-    from peft import get_peft_model
-
     try:
-        with warnings.catch_warnings():
-            # PEFT reads transformers' deprecated `is_gradient_checkpointing` while wrapping.
-            warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
-            return get_peft_model(policy, copy.deepcopy(peft_config))
+        return _wrapped(policy, _fitted_all_linear(policy, peft_config))
     except ValueError as error:
         names = ", ".join(adaptable_module_names(policy))
         raise ValueError(
@@ -77,6 +75,40 @@ def apply_peft(policy: torch.nn.Module, peft_config: LoraConfig, *, policy_name:
             f"{policy_name}: {error} Its modules LoRA can adapt are: {names}. Pass some of these as `target_modules` "
             "(e.g. ['q_proj', 'v_proj']), or 'all-linear'."
         ) from error
+
+
+def _fitted_all_linear(policy: torch.nn.Module, peft_config: LoraConfig) -> LoraConfig:
+    """`peft_config`, or for `target_modules="all-linear"` on a Mamba-based policy, the same without the Mamba mixer's
+    `out_proj` and `conv1d`: PEFT refuses LoRA on them (its fused kernels read their weights directly, so an adapter
+    there would be skipped), so "all-linear" means every other linear layer. Tried on a weightless copy, since a
+    refused wrap leaves adapters in the model it was applied to."""
+    if peft_config.target_modules != "all-linear":
+        return peft_config
+    skeleton = _meta_policy(policy)
+    if skeleton is None:
+        return peft_config
+    try:
+        _wrapped(skeleton, peft_config)
+    except ValueError as error:
+        if any(f"'{name}'" in str(error) for name in _MAMBA_FUSED):
+            excluded = sorted({*_as_list(peft_config.exclude_modules), *_MAMBA_FUSED})
+            return dataclasses.replace(peft_config, exclude_modules=excluded)
+    return peft_config
+
+
+def _wrapped(policy: torch.nn.Module, peft_config: LoraConfig) -> PeftModel:
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        # PEFT reads transformers' deprecated `is_gradient_checkpointing` while wrapping.
+        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(policy, copy.deepcopy(peft_config))
+
+
+def _as_list(names: Any) -> list[str]:
+    if names is None:
+        return []
+    return [names] if isinstance(names, str) else list(names)
 
 
 def adaptable_module_names(model: torch.nn.Module) -> list[str]:

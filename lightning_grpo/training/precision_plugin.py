@@ -54,6 +54,14 @@ class AutoPrecision(MixedPrecision):
     Attributes:
         precision: "bf16-mixed" or "32-true" once decided ("32-true" before).
         reason: why, in words ("" before).
+
+    Example::
+
+        import lightning.pytorch as pl
+
+        from lightning_grpo import AutoPrecision
+
+        trainer = pl.Trainer(plugins=[AutoPrecision()])  # instead of precision=...
     """
 
     def __init__(self) -> None:

@@ -1,7 +1,8 @@
 """The reference model of the KL term (`GRPOModule(beta > 0)`): its log-probabilities of a micro-batch's loss terms.
 
 `ReferencePolicy` is what `GRPOModule` calls: one method, the log-probabilities of a packed micro-batch's terms under
-the reference, from a no-grad forward over the same packed rows (no second packing). `ReferenceModel` implements it
+the reference, from a no-grad forward over the same packed rows (no second packing), on the policy's forward (tree
+or padded: `LossContext.packing`). `ReferenceModel` implements it
 with a frozen copy of the initial policy on the trainer's device, sharded like the policy under FSDP2, mixed into
 the policy's direction by TR-DPO (`mix`, GRPOTrainer's `sync_ref_model`), and saved in checkpoints only once a mix
 made it differ from the initial policy. `DisabledAdaptersReference` is the reference of a LoRA policy whose adapters
@@ -132,7 +133,13 @@ def adapters_start_at_zero(peft_config: Any) -> bool:
 
 def _logprobs(model: torch.nn.Module, micro_batch: dict[str, torch.Tensor], context: LossContext) -> torch.Tensor:
     logprobs, _ = packed_logprobs(
-        model, micro_batch, context.temperature, top_k=context.top_k, top_p=context.top_p, min_p=context.min_p
+        model,
+        micro_batch,
+        context.temperature,
+        top_k=context.top_k,
+        top_p=context.top_p,
+        min_p=context.min_p,
+        packing=context.packing,
     )
     return logprobs
 

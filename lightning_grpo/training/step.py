@@ -14,6 +14,7 @@ from ..pipeline.batch import MicroBatch, StepBatch
 from .loss import LossContext
 from .loss_options import ReferenceSync
 from .loss_stats import LossStats, metrics_over_ranks
+from .packing_choice import PackingPath
 from .reference import ReferenceModel, ReferencePolicy
 
 if TYPE_CHECKING:
@@ -26,14 +27,19 @@ def step_inputs(
     contract: RolloutContract,
     world_size: int,
     reference: ReferencePolicy | None,
+    forward: tuple[PackingPath, float] | None = None,
 ) -> tuple[list[MicroBatch], LossContext]:
     """Every rank: this rank's micro-batches of `batch` on `device`, each with its `ref_log_probs` under the reference
     (once per planned step, as GRPOTrainer computes them once per generation; none with `beta=0`), and the step's
-    `LossContext` under the rollouts' `contract`."""
+    `LossContext` under the rollouts' `contract` and `forward`: the policy's forward and MoE loss weight
+    (`lightning_grpo.training.model_setup.policy_forward`; None: the tree forward, no MoE loss)."""
+    packing, router_aux_loss_coef = forward or ("tree", 0.0)
     micro_batches = [
         {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()} for mb in batch.micro_batches
     ]
-    context = LossContext.for_step(contract, world_size, len(micro_batches))
+    context = LossContext.for_step(
+        contract, world_size, len(micro_batches), packing=packing, router_aux_loss_coef=router_aux_loss_coef
+    )
     if reference is not None:
         for micro_batch in micro_batches:
             micro_batch["ref_log_probs"] = reference.logprobs(micro_batch, context)

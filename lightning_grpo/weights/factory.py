@@ -64,6 +64,14 @@ def make_weight_transfer(
     Raises:
         ValueError: an unknown generator or `vllm_transfer`; several servers over NCCL.
         ImportError: "nccl" without vllm installed.
+
+    Example::
+
+        from lightning_grpo import make_weight_transfer
+        from lightning_grpo.models import load_policy
+
+        transfer = make_weight_transfer("embedded", load_policy("tiny-random"))  # shared memory
+        transfer.destroy()
     """
     kind = transfer_kind(generator, vllm_transfer)
     if kind == "shared_memory":

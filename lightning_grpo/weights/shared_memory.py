@@ -112,10 +112,12 @@ class SharedMemoryWeightTransfer:
     Example::
 
         transfer = SharedMemoryWeightTransfer(policy)
-        generator = EmbeddedGenerator(PolicySpec.from_model(policy), weight_receiver=transfer.receiver())
+        generator = EmbeddedGenerator(
+            PolicySpec.from_model(policy), weight_receiver=transfer.receiver()
+        )
         transfer.pause()
         transfer.send_weights(policy.named_parameters(), version=1)
-        transfer.resume()  # the generator's next batch samples with these weights, tagged version 1
+        transfer.resume()  # the generator's next batch samples with them, as version 1
         transfer.destroy()
     """
 

@@ -32,6 +32,13 @@ def _load_options():
     return sys.modules["docs_gen_options"]
 
 
+def _load_gen(name: str):
+    """A module of docs/_gen (the site's generators), imported as the build imports it."""
+    if str(DOCS / "_gen") not in sys.path:
+        sys.path.insert(0, str(DOCS / "_gen"))
+    return importlib.import_module(name)
+
+
 def _configurable():
     from lightning_grpo import GRPODataModule, GRPOModule
 
@@ -78,18 +85,26 @@ def test_strict_build_writes_every_page_of_the_nav(site):
 
 @pytest.mark.timeout(300)
 def test_options_page_lists_every_parameter_with_its_default(site):
+    """Each option is one list entry: its name, type and default first (never a table column off screen), no
+    escaped pipe anywhere."""
     page = html.unescape((site / "reference" / "options" / "index.html").read_text())
-    rows = {}
-    for row in re.findall(r"<tr>(.*?)</tr>", page, flags=re.S):
-        cells = re.findall(r"<td>(.*?)</td>", row, flags=re.S)
-        if cells:
-            rows.setdefault(re.sub(r"<[^>]+>", "", cells[0]).strip(), []).append(cells)
+    assert "\\|" not in re.sub(r"<[^>]+>", "", page), "the options page shows an escaped pipe"
+    entries: dict[str, list[str]] = {}
+    for name, rest in re.findall(r'<li><code class="lg-name">(\w+)</code>(.*?)<br>', page, flags=re.S):
+        entries.setdefault(name, []).append(re.sub(r"<[^>]+>", "", rest))
     for cls in _configurable():
         for name, parameter in _parameters(cls):
-            assert name in rows, f"{cls.__name__}({name}=...) is missing from the options page"
-            default = "required" if parameter.default is inspect.Parameter.empty else repr(parameter.default)
-            shown = [re.sub(r"<[^>]+>", "", cells[2]).strip() for cells in rows[name]]
-            assert default in shown, f"{cls.__name__}({name}=...): default {default!r} not shown (got {shown})"
+            assert name in entries, f"{cls.__name__}({name}=...) is missing from the options page"
+            default = "required" if parameter.default is inspect.Parameter.empty else f"default {parameter.default!r}"
+            shown = [head for head in entries[name] if head.endswith(default)]
+            assert shown, f"{cls.__name__}({name}=...): {default!r} not on its first line (got {entries[name]})"
+
+
+def test_readable_types_spell_out_unions_and_choices():
+    options = _load_options()
+    assert options.readable_type("int | None") == "int or None"
+    assert options.readable_type("Literal['dapo', 'grpo'] | None") == '"dapo" / "grpo" or None'
+    assert options.readable_type("list[str | Callable] | None") == "list[str or Callable] or None"
 
 
 def test_every_parameter_is_documented_and_its_trl_counterpart_exists():
@@ -130,16 +145,21 @@ def test_args_parser_reads_shared_entries_and_keeps_the_first_of_a_repeated_name
 
 
 @pytest.mark.timeout(300)
-def test_api_pages_document_every_public_name(site):
-    import lightning_grpo
-    import lightning_grpo.callbacks
-
-    api = (site / "reference" / "api" / "index.html").read_text()
-    for name in lightning_grpo.__all__:
-        assert f'id="lightning_grpo.{name}"' in api, f"lightning_grpo.{name} is not on the API page"
-    callbacks = (site / "reference" / "callbacks" / "index.html").read_text()
-    for name in lightning_grpo.callbacks.__all__:
-        assert f"lightning_grpo.callbacks.{name}" in callbacks, f"lightning_grpo.callbacks.{name} is not documented"
+def test_api_pages_document_every_user_facing_name_and_no_internal_one(site):
+    """Each name `docs/_gen/api_pages.py` puts on a page is there (and in the index); the internals are on none."""
+    pages = _load_gen("api_pages")
+    index = (site / "reference" / "api" / "index.html").read_text()
+    shown = {}
+    for page, (_, sections) in pages.PAGES.items():
+        shown[page] = (site / "reference" / page / "index.html").read_text()
+        for _, paths in sections:
+            for path in paths:
+                anchor = path.removeprefix("lightning_grpo.") if ".callbacks." in path else path
+                assert f'id="{anchor}"' in shown[page], f"{path} is not on reference/{page}.md"
+                assert f'href="../{page}/#{anchor}"' in index, f"the API index does not link {path}"
+    for name in pages.INTERNAL:
+        for page, text in shown.items():
+            assert f'id="lightning_grpo.{name}"' not in text, f"the internal {name} is on reference/{page}.md"
 
 
 @pytest.mark.timeout(300)
@@ -182,7 +202,39 @@ def test_first_reward_page_runs_as_written(tmp_path, no_leaked_processes):
     steps = pd.read_csv(metrics).dropna(subset=["reward"])
     assert 1 <= len(steps) <= 4  # 8 prompts, 2 groups per step (fewer if a group carried no signal), no max_steps
     assert steps.reward.between(0, 1).all()
-    assert "completion" in result.stdout and "reward_std" in result.stdout
+    assert '--8<-- "first_reward_output.txt"' in page
+    shown = (DOCS / "snippets" / "first_reward_output.txt").read_text()
+    assert_same_printout(shown, result.stdout)
+
+
+def printout(stdout: str) -> tuple[str, list[list[str]], list[list[str]]]:
+    """What first_reward.py prints itself (Lightning's summary and bar left out): its rewards line, then the rows
+    of the metrics table and of the completions table, each split into fields (the header first)."""
+    lines = stdout.splitlines()
+    rewards = next(line for line in lines if line.startswith("rewards:"))
+    metrics_at = next(i for i, line in enumerate(lines) if line.split()[:2] == ["step", "reward"])
+    completions_at = next(i for i, line in enumerate(lines) if line.split()[:2] == ["step", "prompt"])
+    metrics = [line.split() for line in lines[metrics_at:completions_at]]
+    return rewards, metrics, [line.split() for line in lines[completions_at:] if line.strip()]
+
+
+def assert_same_printout(shown: str, printed: str) -> None:
+    """The page's output is the script's: the rewards line and the tables' headers equal, each metrics row a step
+    and three numbers, up to four steps and four completions. The fit's values vary with sampling."""
+    shown_rewards, shown_metrics, shown_completions = printout(shown)
+    rewards, metrics, completions = printout(printed)
+    assert shown_rewards == rewards, f"the page shows {shown_rewards!r}, the script prints {rewards!r}"
+    assert shown_metrics[0] == metrics[0] and shown_completions[0] == completions[0]
+    for rows in (shown_metrics, metrics):
+        assert 2 <= len(rows) <= 5 and all(len(row) == 4 and row[0].isdigit() for row in rows[1:]), rows
+        [float(value) for row in rows[1:] for value in row[1:]]  # numbers, or this raises
+    assert len(shown_completions) == len(completions) == 5
+
+
+def test_the_printout_check_catches_a_changed_reward_line():
+    shown = "rewards: [0.118, 1.0, 0.0]\n step reward reward_std loss\n 0 0.1 0.1 0.0\n step prompt completion\n"
+    with pytest.raises(AssertionError, match="the page shows"):
+        assert_same_printout(shown, shown.replace("0.118", "0.5"))
 
 
 def test_every_python_block_of_the_docs_and_the_readme_compiles():

@@ -226,8 +226,9 @@ def run_score_step_rank(rank: int, world_size: int, workdir: str) -> None:
         dist.destroy_process_group()
 
 
-def tiny_prompts(n: int) -> Dataset:
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}."}] for i in range(n)]})
+def tiny_prompts(n: int, length: int = 0) -> Dataset:
+    """`n` chat prompts "Say {i}.", each padded with `length` more characters."""
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}." + "x" * length}] for i in range(n)]})
 
 
 def tiny_datamodule(prompts: int, **overrides) -> GRPODataModule:

@@ -393,15 +393,17 @@ def test_llama_family_decoders_sample_with_exact_logprobs(model_type, extra):
     assert max_logprob_error(_tiny(model_type, **extra), PROMPTS, outputs) <= 1e-4
 
 
-def test_other_architectures_are_refused_with_the_fix():
+def test_a_model_that_is_not_a_causal_lm_is_refused_and_gpt2_runs_on_the_generic_decoder():
+    """Every family's generation: tests/models/test_family_generation.py."""
+    bert = AutoConfig.for_model("bert", vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(ValueError, match=r"decoder-only causal LMs.*model_type='bert' is an encoder"):
+        GeneratorSpec(PolicySpec(config=bert.to_dict()))  # in the trainer, before a child is spawned
     config = AutoConfig.for_model("gpt2", vocab_size=100, n_embd=32, n_layer=1, n_head=2)
     gpt2 = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=r"model_type='gpt2'.*generator='vllm'"):
-        EmbeddedGenerator(gpt2)
-    with pytest.raises(ValueError, match=r"model_type='gpt2'"):  # in the trainer, before a child is spawned
-        GeneratorSpec(PolicySpec.from_model(gpt2))
-    with pytest.raises(ValueError, match="sliding attention window"):
-        EmbeddedGenerator(_tiny("mistral", sliding_window=64))
+        EmbeddedGenerator(gpt2, decoder="fast")
+    with EmbeddedGenerator(gpt2, eos_token_ids=[], max_tokens=3) as generator:  # the generic decoder runs it
+        assert len(generate_all(generator, PROMPTS[:1])[0].token_ids) == 3
 
 
 def test_a_burst_of_prompts_is_prefilled_over_several_steps_within_the_token_budget(monkeypatch):

