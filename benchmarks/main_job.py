@@ -14,7 +14,6 @@ the commit, machine and date are read when publishing.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shutil
 import subprocess
@@ -30,10 +29,18 @@ RESULTS = common.ROOT / "docs" / "results"
 
 
 def validations(metrics_csv: Path) -> list[dict[str, Any]]:
-    """Each validation's (step, held-out accuracy) from the run's `metrics.csv`, in step order."""
-    with metrics_csv.open(newline="") as handle:
-        rows = [row for row in csv.DictReader(handle) if row.get(ACCURACY)]
-    points = {int(float(row["step"])): round(float(row[ACCURACY]), 4) for row in rows}
+    """Each validation's (optimizer step, held-out accuracy) from the run's `metrics.csv`, in step order; steps
+    numbered as the log, the plot and `summary.json` number them (`cli.main_job.optimizer_steps`)."""
+    import pandas as pd
+
+    from lightning_grpo.cli.main_job import optimizer_steps
+
+    metrics = pd.read_csv(metrics_csv)
+    metrics["optimizer_step"] = optimizer_steps(metrics)
+    rows = metrics[["optimizer_step", ACCURACY]].dropna()
+    points = {
+        int(step): round(float(value), 4) for step, value in zip(rows["optimizer_step"], rows[ACCURACY], strict=True)
+    }
     return [{"step": step, "accuracy": accuracy} for step, accuracy in sorted(points.items())]
 
 

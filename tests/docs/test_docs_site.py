@@ -237,19 +237,6 @@ def test_the_printout_check_catches_a_changed_reward_line():
         assert_same_printout(shown, shown.replace("0.118", "0.5"))
 
 
-def test_every_python_block_of_the_docs_and_the_readme_compiles():
-    """Blocks that need a real model or a server are not run here, but none may be broken Python."""
-    sources = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
-    checked = 0
-    for source in sources:
-        for index, block in enumerate(re.findall(r"```python\n(.*?)```", source.read_text(), flags=re.S)):
-            if block.lstrip().startswith("--8<--"):
-                continue  # an included file: run or compiled where it lives
-            compile(block, f"{source.relative_to(ROOT)} block {index}", "exec")
-            checked += 1
-    assert checked >= 3
-
-
 def test_layout_trees_name_every_folder_of_the_package():
     folders = sorted(p.parent.name for p in (ROOT / "lightning_grpo").glob("*/__init__.py"))
     assert "rollout" in folders
