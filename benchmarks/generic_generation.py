@@ -41,7 +41,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from lightning_grpo.rollout.generator import EmbeddedGenerator  # noqa: E402
 
-DEFAULT_OUT = common.ROOT / "benchmarks" / "results" / "generic_generation.json"
+DEFAULT_OUT = common.ROOT / "docs" / "results" / "generic_generation.json"  # the benchmarks page reads it
 
 
 def family_config(family: str, hidden: int, layers: int, vocab: int) -> Any:
@@ -244,7 +244,8 @@ def main() -> None:
         print_row(rows[-1], names)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {key: value for key, value in vars(args).items() if key != "out"}
-    result = {**common.provenance("python benchmarks/generic_generation.py"), "settings": settings, "rows": rows}
+    result = {"provenance": common.provenance("python benchmarks/generic_generation.py"), "settings": settings}
+    result["rows"] = rows
     result["threads"] = torch.get_num_threads()
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

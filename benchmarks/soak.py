@@ -45,6 +45,8 @@ SHOWN = ("dev_shm_all", "trainer_heap_in_use_mb", "trainer_heap_free_mb")
 COUNTERS = ("reward_pool/calls_total", "reward_pool/errors_total", "reward_pool/timeouts_total")
 COUNTERS += ("reward_pool/restarts_total",)
 DROPPED = "progress/dropped_"  # the groups dropped, by reason (a collapsed policy's groups have no signal)
+LEARNING_RATE = 2e-4
+STALL_GROUPS = 1_000_000
 #: How far the trainer's median RSS over the run's last quarter may exceed its median over the second quarter.
 RSS_GROWTH_MB, RSS_GROWTH_FRAC = 16.0, 0.02
 
@@ -270,6 +272,9 @@ def fit(args: argparse.Namespace) -> tuple[list[dict[str, float]], dict[str, flo
         model="tiny-random", dataset=prompts(args.prompts, args.raise_every, args.hang_every),
         reward_funcs=[char_sum, flaky], num_generations=4, max_completion_length=8, samples_per_row=8,
         epochs=epochs, reward_timeout=args.reward_timeout, reward_num_workers=args.reward_workers,
+        # a tiny policy trained for hours collapses onto one completion per prompt (groups without signal); a soak
+        # watches resources, so it trains slowly and drops such groups rather than stopping the run as stalled
+        stall_groups=STALL_GROUPS,
     )  # fmt: skip
     logger = LastValues()
     watch = allocation_watch(max(args.steps // 4, 1), args.tracemalloc_frames) if args.tracemalloc else None
@@ -278,7 +283,7 @@ def fit(args: argparse.Namespace) -> tuple[list[dict[str, float]], dict[str, flo
     sampler = Sampler(trainer, datamodule, args.interval)
     sampler.start()
     try:
-        trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
+        trainer.fit(GRPOModule("tiny-random", learning_rate=LEARNING_RATE), datamodule=datamodule)
     finally:
         sampler.stop.set()
         sampler.join()

@@ -28,6 +28,7 @@ MAIN_JOB = "main_job.json"
 RACE = "race-staleness/learning_race.json"
 ROOFLINE = "roofline.json"
 SCALING = "scaling.json"
+GENERIC = "generic_generation.json"
 #: A marker pair and what it holds; the opening marker's argument is the view and its optional file.
 MARKER = re.compile(r"(<!-- results: ([\w.]+)(?: ([\w./-]+))? -->)(.*?)(<!-- /results -->)", re.DOTALL)
 
@@ -419,7 +420,29 @@ def headline(_: Any) -> str:
 
 
 #: view name -> (its default JSON file under docs/results/, the function rendering it).
+# -- the generic decoder against HF generate --------------------------------------------------------------------------
+
+
+def generic_generation_table(bench: dict[str, Any]) -> str:
+    """Per family: useful tokens/s of the generic decoder, the fast one (Llama) and HF `generate`, and the ratios."""
+    table = []
+    for row in bench["rows"]:
+        speed = row["tokens_per_s"]
+        fast = f"{speed['fast']:,.0f}" if speed.get("fast") else "—"
+        cells = [row["family"], f"{speed['generic']:,.0f}", fast, f"{speed['hf-per-group']:,.0f}"]
+        cells += [
+            f"{speed['hf-all']:,.0f}",
+            f"**{row['generic_over']['hf-per-group']:.2f}×**",
+            f"{row['generic_over']['hf-all']:.2f}×",
+        ]
+        table.append(cells)
+    header = ["family", "generic", "fast", "HF per group", "HF all 64", "generic / HF per group", "generic / HF all"]
+    return _table(header, table)
+
+
 VIEWS: dict[str, tuple[str | None, Callable[[Any], str]]] = {
+    "generic_generation.table": (GENERIC, generic_generation_table),
+    "generic_generation.provenance": (GENERIC, provenance),
     "provenance": (None, provenance),
     "main_job.sentence": (MAIN_JOB, main_job_sentence),
     "main_job.table": (MAIN_JOB, main_job_table),

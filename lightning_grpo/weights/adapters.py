@@ -32,10 +32,16 @@ def lora_layers(policy: torch.nn.Module) -> dict[int, Any]:
         if not isinstance(module, LoraLayer) or not _adapters(module):
             continue
         base = module.get_base_layer()
-        layers[id(base.weight)] = module
+        layers[id(adapted_parameter(module))] = module
         if getattr(base, "bias", None) is not None and any(module.lora_bias.get(a) for a in _adapters(module)):
             layers[id(base.bias)] = module
     return layers
+
+
+def adapted_parameter(layer: Any) -> torch.Tensor:
+    """The base parameter a LoRA layer adapts: its base layer's `weight`, or, for PEFT's `ParamWrapper` (LoRA on a
+    parameter such as a mixture-of-experts block's stacked expert weights), the parameter it names."""
+    return getattr(layer.get_base_layer(), getattr(layer, "parameter_name", None) or "weight")
 
 
 def merged_tensor(layer: Any, param: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helpers.doc_scripts import run_swapped
-
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 SNIPPETS = DOCS / "snippets"
@@ -237,6 +235,8 @@ def test_the_readme_example_trains_on_the_tiny_model(tmp_path, no_leaked_process
         "trainer.fit(module, datamodule=datamodule)": "trainer.fit(module, datamodule=datamodule)\n"
         "    assert trainer.global_step == 2, trainer.global_step\n    print('trained', 2)",
     }
+    from helpers.doc_scripts import run_swapped  # here: this file also runs as a script, without tests/ on its path
+
     assert "trained 2" in run_swapped(code.text, swaps, code.where, tmp_path, timeout=240)
 
 

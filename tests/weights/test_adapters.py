@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 from helpers.lora import lora_policy, nudge_adapters
+from helpers.model_zoo import zoo_model
 from peft import LoraConfig
 
 from lightning_grpo._trl import iter_vllm_named_params
@@ -59,6 +60,26 @@ def test_merged_stream_equals_peft_merge_under_base_names_and_leaves_the_policy_
     manifest_stream = dict(generator_parameters(policy, trainable_only=True))  # for NCCL: the same merged tensors
     assert list(manifest_stream) == list(streamed)
     assert all(torch.equal(manifest_stream[name], tensor) for name, tensor in streamed.items())
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "phi3", "gpt2"])
+def test_merged_stream_equals_peft_merge_on_experts_and_fused_projections(family):
+    """All-linear LoRA on a mixture of experts (PEFT wraps the stacked expert weights as parameters) and on fused or
+    Conv1D projections: every streamed tensor equals PEFT's own merge."""
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear")
+    policy = apply_peft(zoo_model(family), config)
+    streamed = dict(generator_parameters(policy))
+    expected = dict(copy.deepcopy(policy).merge_and_unload().named_parameters())
+    assert list(streamed) == list(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(streamed[name], tensor, rtol=0, atol=1e-6, msg=name)
+    base = dict(zoo_model(family).named_parameters())
+    assert any(
+        not torch.equal(streamed[name], base[name])
+        for name in streamed
+        if "expert" in name or "c_attn" in name or "qkv" in name
+    )
 
 
 def test_changed_names_are_the_adapted_layers_or_their_whole_modules():
