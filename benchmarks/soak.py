@@ -14,7 +14,7 @@ machine, is flat). Then the fault counters the run logged against the faults it 
 every raise must be one `reward_pool/errors_total`, every hang one `reward_pool/timeouts_total`. The figures and
 the verdicts also go to `--out/soak.json`.
 
-    python benchmarks/soak.py --steps 2000           # about an hour on 2 shared cores
+    python benchmarks/soak.py --steps 2000           # about 10 minutes on 2 cores
     python benchmarks/soak.py --steps 40 --out /tmp  # a smoke run
 """
 

@@ -40,6 +40,9 @@ IMPORT_TIME_PREFIXES = (
     "NUMEXPR_", "OMP_", "OPENBLAS_", "PYTHON", "PYTORCH_", "TOKENIZERS_", "TORCH", "TRANSFORMERS_", "TRL_",
 )  # fmt: skip
 
+#: The environment variables that size oneDNN's primitive cache and ideep's kernel cache (see `bound_kernel_caches`).
+KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+KERNEL_CACHE_CAPACITY = 256
 _lock = threading.Lock()
 # The server this process started (its pid) and the import-time variables it was started with.
 _server: dict[str, Any] = {"pid": None, "environment": None}
@@ -83,10 +86,23 @@ def child_environment() -> dict[str, str]:
 
 
 def apply_environment(environment: dict[str, str]) -> None:
-    """Make the child's environment `environment` (a forked child starts with the server's)."""
+    """Make the child's environment `environment` (a forked child starts with the server's), with the kernel caches
+    bounded (`bound_kernel_caches`)."""
     if environment != os.environ:
         os.environ.clear()
         os.environ.update(environment)
+    bound_kernel_caches()
+
+
+def bound_kernel_caches() -> None:
+    """Cap oneDNN's and ideep's kernel caches at `KERNEL_CACHE_CAPACITY` entries each, unless the user set them.
+
+    Each keeps one compiled kernel per distinct product shape (1,024 by default, about a megabyte each), read when
+    the process builds its first kernel: a generator whose batch and sequence lengths keep varying fills them for
+    hours, so its memory keeps growing. Call before the process's first oneDNN product.
+    """
+    for name in KERNEL_CACHE_VARIABLES:
+        os.environ.setdefault(name, str(KERNEL_CACHE_CAPACITY))
 
 
 def _import_time_environment() -> dict[str, str]:

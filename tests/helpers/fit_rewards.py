@@ -81,3 +81,12 @@ async def async_raises_on_say_1(completions, prompts, **kwargs):
     if "Say 1." in str(prompts[0]):
         raise RuntimeError("async_raises_on_say_1 raised on cue")
     return char_count_reward(completions)
+
+
+def kernel_cache_capacity(completions, **kwargs):
+    """The oneDNN kernel cache capacity in the reward worker's environment (the rollout child's, which started it),
+    plus a thousandth per character."""
+    import os
+
+    capacity = float(os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "-1"))
+    return [capacity + len(c[0]["content"]) / 1000 for c in completions]

@@ -17,7 +17,13 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from helpers.fit_rewards import ChildOnlyReward, async_raises_on_say_1, environment_mark, hangs_on_say_0
+from helpers.fit_rewards import (
+    ChildOnlyReward,
+    async_raises_on_say_1,
+    environment_mark,
+    hangs_on_say_0,
+    kernel_cache_capacity,
+)
 from helpers.rollouts import check_stopped_samples, collect_groups, counters_until, drained_rate
 from helpers.tiny import tiny_prompts as prompts
 from helpers.transfers import push
@@ -335,6 +341,27 @@ def test_children_are_forked_by_one_preloading_server_with_the_environment_of_th
     assert servers[0] == servers[1] == start_method._server["pid"] != os.getpid()
     assert "multiprocessing.forkserver" in " ".join(psutil.Process(servers[0]).cmdline())
     assert marks == [{7}, {8}]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("set_by_user", [None, "64"])
+def test_the_child_bounds_its_kernel_caches_unless_the_user_sized_them(
+    tiny_model, tokenizer, transfer, monkeypatch, set_by_user, no_leaked_processes
+):
+    """oneDNN's kernel cache is capped in the rollout child (and the processes it starts) before its first product;
+    a capacity the user set is kept."""
+    if set_by_user is None:
+        monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", set_by_user)
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(tiny_model, tokenizer, transfer, reward_funcs=[kernel_cache_capacity], dataset=prompts(1))
+    try:
+        (samples,) = collect_groups(worker, 1).values()
+    finally:
+        worker.stop()
+    expected = int(set_by_user or start_method.KERNEL_CACHE_CAPACITY)
+    assert {int(s.metrics["rewards/kernel_cache_capacity"]) for s in samples} == {expected}
 
 
 def test_a_changed_import_time_variable_or_the_switch_spawns_the_child(monkeypatch):
