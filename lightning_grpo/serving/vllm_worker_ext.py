@@ -1,4 +1,5 @@
-"""vLLM worker extension that reloads weights from a folder and re-packs a tied output layer (runs inside vLLM).
+"""vLLM worker extension that reloads weights from a folder and re-packs what vLLM's CPU backend packed at load (a
+tied output layer, the experts of a mixture of experts) (runs inside vLLM).
 
 This file is imported by the vLLM server's worker process, in vLLM's own environment, not by `lightning_grpo`:
 `VLLMServer` copies it into the server's run folder as `lightning_grpo_vllm_ext.py`, puts that folder on the server's
@@ -14,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 #: Bumped when the RPC methods change, so the trainer can tell an outdated copy from a missing one.
-EXTENSION_VERSION = 1
+EXTENSION_VERSION = 2
 
 
 class TiedHeadReloadExtension:
@@ -38,7 +39,7 @@ class TiedHeadReloadExtension:
         """Load every `*.safetensors` file in folder `path` into the served model, then re-pack a tied output layer.
 
         Returns:
-            `{"tied_head_repacked": bool}`.
+            `{"tied_head_repacked": bool, "cpu_experts_repacked": int}`.
         """
         self.reload_weights(weights_path=path)
         model = self.model_runner.get_model()
@@ -52,7 +53,24 @@ class TiedHeadReloadExtension:
         )
         if tied and head is not None and getattr(head, "quant_method", None) is not None:
             head.quant_method.process_weights_after_loading(head)
-        return {"tied_head_repacked": bool(tied)}
+        return {"tied_head_repacked": bool(tied), "cpu_experts_repacked": _repack_cpu_experts(model)}
+
+
+def _repack_cpu_experts(model: Any) -> int:
+    """Re-pack the expert weights of every mixture-of-experts layer that vLLM's CPU kernel runs; the number re-packed.
+
+    The CPU kernel lays the expert weights out for its grouped GEMM once, at load; a reload writes the new weights
+    into those tensors in checkpoint layout and does not lay them out again, so the server would sample with scrambled
+    experts. Laying them out again from what the reload wrote fixes that.
+    """
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
 
 
 def _input_embedding(model: Any) -> Any:

@@ -85,6 +85,7 @@ class VLLMHTTPWeightTransfer:
         self.server_timeout = server_timeout
         self.request_timeout = request_timeout
         self.tied = _has_tied_head(model) if model is not None else None
+        self._model = model  # its transformers conversion mapping names the pushed tensors as its checkpoint does
         self.version: int | None = None
         self.last_push_s: float | None = None  # seconds of the last send_weights (write + reload + cache reset)
         self._session = requests.Session()
@@ -143,7 +144,7 @@ class VLLMHTTPWeightTransfer:
         """
         from safetensors.torch import save_file
 
-        tensors = _unique_tensors(iterator)
+        tensors = checkpoint_format(self._model, _unique_tensors(iterator))
         if not tensors:
             raise ValueError(
                 "`VLLMHTTPWeightTransfer.send_weights` got no tensors. Pass the policy's named parameters."
@@ -259,6 +260,20 @@ def _has_tied_head(model: torch.nn.Module) -> bool:
     if embedding is None or head is None:
         return False
     return head.weight is embedding.weight or head.weight.data_ptr() == embedding.weight.data_ptr()
+
+
+def checkpoint_format(model: torch.nn.Module | None, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (the policy's parameters by name) as its checkpoint on disk holds them, which is what the server's
+    loader reads: transformers keeps some weights in another layout in memory than in the checkpoint (a mixture of
+    experts' stacked `experts.gate_up_proj` is `experts.{i}.gate_proj.weight` and `up_proj.weight` on disk), and a
+    server ignores names it does not know. The model's own conversion mapping is reverted, as `save_pretrained`
+    does; without a model (or for a model with no mapping) the names stay as they are."""
+    if model is None:
+        return tensors
+    from transformers.core_model_loading import revert_weight_conversion
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT policy streams base names
+    return revert_weight_conversion(base, tensors) if hasattr(base, "config") else tensors
 
 
 def _unique_tensors(iterator: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -146,3 +146,21 @@ def test_a_partial_send_before_any_full_one_is_refused():
         transfer.resume()
     finally:
         transfer.destroy()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "qwen3_moe", "mixtral", "gpt_oss"])
+def test_a_vllm_push_names_and_lays_out_tensors_as_the_checkpoint_does(family, tmp_path):
+    """What `VLLMHTTPWeightTransfer` writes for the server is what `save_pretrained` writes: a mixture of experts'
+    stacked expert weights as one tensor per expert and projection (the names vLLM's loader knows), a tied head once."""
+    from safetensors.torch import load_file
+
+    from lightning_grpo.weights.vllm_http import _unique_tensors, checkpoint_format
+
+    model = zoo_model(family)
+    pushed = checkpoint_format(model, _unique_tensors(model.named_parameters()))
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert sorted(pushed) == sorted(saved)
+    assert all(torch.equal(pushed[name], saved[name]) for name in saved)
+    if family in ("qwen3_moe", "mixtral"):
+        assert "model.layers.0.mlp.experts.gate_up_proj" not in pushed
