@@ -82,6 +82,29 @@ def median_seconds(function: Callable[[], Any], warmup: int, reps: int) -> float
     return statistics.median(times)
 
 
+def hf_generate_left_padded(model: Any, prompts: list[list[int]], new_tokens: int, copies: int = 1) -> None:
+    """HF `model.generate` over `prompts` left-padded (pad id 0), sampling at temperature 1 exactly `new_tokens`
+    tokens per row (`copies` rows per prompt): the static-batch baseline the generation benchmarks compare with."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            num_return_sequences=copies,
+            pad_token_id=0,
+        )
+
+
 def quiet_cpu_trainer(**overrides: Any) -> Any:
     """A one-process CPU `Trainer` that lets the data module end the run and prints nothing of its own: no
     checkpoints, progress bar, model summary or validation unless `overrides` say so."""

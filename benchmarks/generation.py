@@ -130,22 +130,7 @@ def hf_generate_backend(work: Workload) -> tuple[Callable[[], int], Callable[[],
     def run() -> int:
         useful = 0
         for batch in batches:
-            width = max(len(p) for p, _ in batch)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
-            longest = max(n for _, n in batch)
-            with torch.inference_mode():
-                work.model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    do_sample=True,
-                    temperature=1.0,
-                    top_k=0,
-                    top_p=1.0,
-                    max_new_tokens=longest,
-                    min_new_tokens=longest,
-                    pad_token_id=0,
-                )
+            common.hf_generate_left_padded(work.model, [p for p, _ in batch], max(n for _, n in batch))
             useful += sum(n for _, n in batch)  # a row past its own length computes for nothing
         return useful
 

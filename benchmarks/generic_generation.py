@@ -115,30 +115,10 @@ def embedded(decoder: str) -> Backend:
     return backend
 
 
-def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, copies: int = 1) -> None:
-    """`model.generate` over `prompts` left-padded, sampling at temperature 1 exactly `new_tokens` tokens per row."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.inference_mode():
-        model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            num_return_sequences=copies,
-            pad_token_id=0,
-        )
-
-
 def hf_per_group(model: torch.nn.Module, load: Load) -> tuple[Callable[[], int], Callable[[], None]]:
     def run() -> int:
         for prompt, caps in load.groups:  # a row past its own cap computes for nothing
-            _hf_generate(model, [prompt], max(caps), copies=len(caps))
+            common.hf_generate_left_padded(model, [prompt], max(caps), copies=len(caps))
         return load.useful_tokens
 
     return run, lambda: None
@@ -149,7 +129,7 @@ def hf_all(model: torch.nn.Module, load: Load) -> tuple[Callable[[], int], Calla
     longest = max(max(caps) for _, caps in load.groups)
 
     def run() -> int:
-        _hf_generate(model, prompts, longest)
+        common.hf_generate_left_padded(model, prompts, longest)
         return load.useful_tokens
 
     return run, lambda: None
