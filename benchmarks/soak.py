@@ -12,7 +12,11 @@ the run (the least-squares line through its samples, slope times span), flat whe
 tolerance (5% of the level for memory, one for counts; a decline, such as memory the kernel reclaims from a busy
 machine, is flat). Then the fault counters the run logged against the faults it was given:
 every raise must be one `reward_pool/errors_total`, every hang one `reward_pool/timeouts_total`. The figures and
-the verdicts also go to `--out/soak.json`.
+the verdicts also go to `--out/soak.json`. It exits 1 when the trainer's or the rollout process's median resident
+memory over the run's last quarter exceeds its median over the second quarter by more than 16 MB + 2%.
+
+The first reward is noise, so every group carries a signal and the run trains about `--steps` steps however the
+policy drifts (groups without signal would be dropped, and a collapsed tiny policy makes mostly those).
 
     python benchmarks/soak.py --steps 2000           # about 10 minutes on 2 cores
     python benchmarks/soak.py --steps 40 --out /tmp  # a smoke run
@@ -25,6 +29,7 @@ import ctypes
 import json
 import math
 import os
+import random
 import sys
 import threading
 import time
@@ -47,13 +52,17 @@ COUNTERS += ("reward_pool/restarts_total",)
 DROPPED = "progress/dropped_"  # the groups dropped, by reason (a collapsed policy's groups have no signal)
 LEARNING_RATE = 2e-4
 STALL_GROUPS = 1_000_000
-#: How far the trainer's median RSS over the run's last quarter may exceed its median over the second quarter.
+#: The processes whose resident memory fails the soak when it grows (by `rss_quarters`).
+JUDGED_RSS = ("trainer_rss_mb", "rollout_rss_mb")
+#: How far a process's median RSS over the run's last quarter may exceed its median over the second quarter.
 RSS_GROWTH_MB, RSS_GROWTH_FRAC = 16.0, 0.02
 
 
-def char_sum(completions: list, **kwargs: Any) -> list[float]:
-    """Varies with every character, so the random policy's groups carry a signal and train."""
-    return [sum(map(ord, c[0]["content"])) % 97 / 97 for c in completions]
+def noise(completions: list, **kwargs: Any) -> list[float]:
+    """A uniform draw per completion: every group carries a signal, even one whose completions are all the same
+    (what a tiny policy trained for hours collapses to), so no group is dropped and the run lasts the steps asked;
+    and the policy's expected update is zero, so it drifts rather than collapses."""
+    return [random.random() for _ in completions]
 
 
 def flaky(completions: list, fault: list[str], **kwargs: Any) -> list[float]:
@@ -270,10 +279,9 @@ def fit(args: argparse.Namespace) -> tuple[list[dict[str, float]], dict[str, flo
     epochs = max(1, math.ceil(args.steps * GROUPS_PER_STEP / args.prompts))
     datamodule = GRPODataModule(
         model="tiny-random", dataset=prompts(args.prompts, args.raise_every, args.hang_every),
-        reward_funcs=[char_sum, flaky], num_generations=4, max_completion_length=8, samples_per_row=8,
+        reward_funcs=[noise, flaky], num_generations=4, max_completion_length=8, samples_per_row=8,
         epochs=epochs, reward_timeout=args.reward_timeout, reward_num_workers=args.reward_workers,
-        # a tiny policy trained for hours collapses onto one completion per prompt (groups without signal); a soak
-        # watches resources, so it trains slowly and drops such groups rather than stopping the run as stalled
+        # should groups still drop (stale ones), the run goes on: a soak watches resources, not learning
         stall_groups=STALL_GROUPS,
     )  # fmt: skip
     logger = LastValues()
@@ -308,7 +316,7 @@ def verdict(rows: list[dict[str, float]], name: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def rss_quarters(rows: list[dict[str, float]], name: str = "trainer_rss_mb") -> dict[str, Any]:
+def rss_quarters(rows: list[dict[str, float]], name: str) -> dict[str, Any]:
     """The median of `name` over the run's second quarter of steps and over its last, and whether the last stays
     within `RSS_GROWTH_MB` + `RSS_GROWTH_FRAC` of the second (`flat`; None with under 3 samples in a quarter).
 
@@ -352,7 +360,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, float]], counters: dic
         "steps": max((row["step"] for row in rows), default=0),
         "samples": rows,
         "verdicts": verdicts,
-        "rss_quarters": rss_quarters(rows),
+        "rss_quarters": [rss_quarters(rows, name) for name in JUDGED_RSS],
         "faults": faults,
         "restarts": counters.get("reward_pool/restarts_total"),
         "dropped": {
@@ -365,21 +373,23 @@ def report(args: argparse.Namespace, rows: list[dict[str, float]], counters: dic
 
 def rss_message(quarters: dict[str, Any]) -> str:
     """One line on `rss_quarters`' verdict."""
+    label = f"{quarters['series'].removesuffix('_rss_mb')} RSS by quarter"
     if quarters["flat"] is None:
-        return f"trainer RSS by quarter: not judged, too few samples in the 2nd and last quarters {quarters['samples']}"
+        return f"{label}: not judged, too few samples in the 2nd and last quarters {quarters['samples']}"
     figures = (
         f"median {quarters['second_quarter']:.1f} MB over the 2nd quarter, {quarters['last_quarter']:.1f} MB over "
         f"the last: {quarters['growth']:+.1f} MB ({quarters['kb_per_step']:+.1f} KB a step), allowed "
         f"{RSS_GROWTH_MB:.0f} MB + {RSS_GROWTH_FRAC:.0%} = {quarters['allowed']:.1f} MB"
     )
-    return f"trainer RSS by quarter: {'flat' if quarters['flat'] else 'GROWS'}, {figures}"
+    return f"{label}: {'flat' if quarters['flat'] else 'GROWS'}, {figures}"
 
 
-def rss_failure(quarters: dict[str, Any]) -> str | None:
-    """The message the soak fails with when the trainer's RSS grew past the allowance (`rss_quarters`), else None."""
-    if quarters["flat"] is not False:
+def rss_failure(verdicts: list[dict[str, Any]]) -> str | None:
+    """The message the soak fails with when a process's RSS grew past the allowance (`rss_quarters`), else None."""
+    grown = [rss_message(quarters) for quarters in verdicts if quarters["flat"] is False]
+    if not grown:
         return None
-    return f"soak.py failed: {rss_message(quarters)}. Rerun with --tracemalloc to see what grows."
+    return f"soak.py failed: {'; '.join(grown)}. Rerun with --tracemalloc to see what grows in the trainer."
 
 
 def print_report(result: dict) -> None:
@@ -398,7 +408,7 @@ def print_report(result: dict) -> None:
         else:
             print(f"| {v['series']} | {v['level']:.1f} | {v['growth']:+.2f} | {v['per_1000_steps']:+.2f} | "
                   f"{v['tolerance']:.2f} | {'yes' if v['flat'] else 'NO'} |")  # fmt: skip
-    print(f"\n{rss_message(result['rss_quarters'])}")
+    print("\n" + "\n".join(rss_message(quarters) for quarters in result["rss_quarters"]))
     print("\n| fault counter | expected | counted |\n|---|---|---|")
     for name, f in result["faults"].items():
         print(f"| {name} | {f['expected']} | {f['counted']} |")
