@@ -84,6 +84,22 @@ def test_ddp_rollout_child_stopped_mid_run_fails_both_ranks_naming_it_within_the
     assert heartbeat - 1 <= failed_after <= heartbeat + HEARTBEAT_SLACK_S, failed_after
 
 
+@pytest.mark.timeout(300)
+def test_a_fit_sigkilled_while_its_rollout_child_is_stopped_leaves_no_process_behind(tmp_path):
+    """The trainer SIGKILLed (no handler runs) while its rollout child is SIGSTOPped (it can run nothing, not even its
+    parent-watch thread): the kernel must end the child and its forkserver, as `run_fit` fails on any process of the
+    run left `LEFTOVER_GRACE_S` after the trainer."""
+    try:
+        code, results = run_fit(tmp_path, "--scenario", "stop_child_kill_self", "--prompts", "16", timeout=200)
+    finally:
+        stopped = rank_results(tmp_path).get(0, {}).get("stopped_child")
+        if stopped:  # a child left behind by a failure must not stay stopped after the test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped["pid"], signal.SIGCONT)
+                os.kill(stopped["pid"], signal.SIGKILL)
+    assert code == -signal.SIGKILL and stopped, (tmp_path / "log.txt").read_text()[-3000:]
+
+
 @pytest.mark.timeout(400)
 def test_sigkilled_fit_resumed_from_checkpoint_trains_every_group_exactly_once(tmp_path):
     kill_at, prompts = 2, 8

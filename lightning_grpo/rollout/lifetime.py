@@ -21,8 +21,9 @@ def die_with_parent(parent_pid: int, *, exit_code: int = 1) -> None:
     that watches the parent where that is not available. Call it first thing in the child's main thread.
 
     `parent_pid` is the process that asked for this one. It is the immediate parent, except for a child forked by a
-    multiprocessing forkserver: the server exits when the process that started it dies, so the death signal still
-    comes, and the thread watches `parent_pid` itself.
+    multiprocessing forkserver: the server exits when the process that started it dies, provided the child has let
+    go of the server's pipe (`start_method.release_forkserver`), so the death signal still comes even to a child that
+    cannot run; and the thread watches `parent_pid` itself.
     """
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):

@@ -80,6 +80,26 @@ def warm_up() -> None:
         process.join()
 
 
+def release_forkserver() -> None:
+    """In a child the forkserver forked: close this process's copy of the write end of the server's "alive" pipe.
+
+    multiprocessing hands that end to every child the server forks, and the server exits only once every copy is
+    closed. A child holding one keeps its server alive while the child lives; the server's exit is what sends the
+    child its death signal (`lifetime.die_with_parent`) when the trainer dies while the child cannot act (stopped,
+    or stuck in native code), so the pair would outlive the trainer. The rollout child starts no process through
+    the forkserver, so it needs no copy. Does nothing in a process the forkserver did not fork.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is None or getattr(server, "_forkserver_pid", None) is not None:  # none, or this process's own server
+        return
+    with contextlib.suppress(OSError):
+        os.close(alive_fd)
+    server._forkserver_alive_fd = None
+
+
 def child_environment() -> dict[str, str]:
     """This process's environment, for `apply_environment` in the child."""
     return dict(os.environ)

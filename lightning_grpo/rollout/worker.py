@@ -18,7 +18,7 @@ import psutil
 
 from .interrupts import children_ignore_sigint, ignore_sigint
 from .lifetime import die_with_parent
-from .start_method import abandon_server, apply_environment, child_environment, rollout_context
+from .start_method import abandon_server, apply_environment, child_environment, release_forkserver, rollout_context
 
 log = logging.getLogger(__name__)
 
@@ -345,6 +345,7 @@ def _child_entry(
 ) -> None:
     ignore_sigint()
     die_with_parent(parent_pid)
+    release_forkserver()
     apply_environment(environment)
     try:
         from .._trl import _child_main

@@ -9,6 +9,8 @@ ended with, if any. Scenarios:
 - `kill_child`: rank 0 SIGKILLs the rollout child after the first step; every rank must fail with its error.
 - `stop_child`: rank 0 SIGSTOPs the rollout child after the first step (recording its pid and the time as
   `stopped_child`); every rank must fail once its heartbeat is `--heartbeat-timeout` s old.
+- `stop_child_kill_self`: rank 0 SIGSTOPs the rollout child after the first step, then SIGKILLs its own process: no
+  handler runs and the stopped child can act on nothing, yet nothing of the run may be left.
 - `kill_self`: rank 0 SIGKILLs its own process at the start of step `--kill-at + 1` (checkpoints every step).
 - `checkpoint`: as `normal`, with a checkpoint every step.
 - `resume`: resume from `--ckpt` (checkpoints every step).
@@ -162,6 +164,11 @@ def main() -> None:
                 self.stopped_child = {"pid": trainer.datamodule.rollout_worker.pid, "at": time.time()}
                 os.kill(self.stopped_child["pid"], signal.SIGSTOP)
                 self.dump(trainer)
+            if args.scenario == "stop_child_kill_self" and trainer.is_global_zero and len(self.steps) == 1:
+                self.stopped_child = {"pid": trainer.datamodule.rollout_worker.pid, "at": time.time()}
+                os.kill(self.stopped_child["pid"], signal.SIGSTOP)
+                self.dump(trainer)
+                os.kill(os.getpid(), signal.SIGKILL)
 
         def extra(self, trainer):
             metrics = trainer.callback_metrics
