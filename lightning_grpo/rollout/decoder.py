@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.packed_matmul import pack_weight, packed_linear
-from . import small_matmul
+from . import decode_attention, small_matmul
 from .architectures import ARCHITECTURES, LayerPlan, Scalars, architecture_of, layer_plans, scalars_of
 
 if TYPE_CHECKING:
@@ -264,6 +264,8 @@ class SlotDecoder:
         self._rope = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the model's own rotation
         self._scale = attention.scaling
         self._dtype = base.embed_tokens.weight.dtype
+        # the rows' attention in one C call over a position-major cache, where it runs (else torch's operations)
+        self._attention_kernel = decode_attention.available() and self._dtype in decode_attention.DTYPES
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self.lengths = torch.zeros(0, dtype=torch.long)
@@ -306,8 +308,9 @@ class SlotDecoder:
         """A layer's zeroed key or value cache, (slots, kv_heads, capacity, head_dim); keys are that shape's
         transposed view of a (slots, kv_heads, head_dim, capacity) tensor, so that a row's first `width` keys, as
         the scores' product reads them (transposed), are a matrix in place: torch copies a slice along the middle
-        axis before a bf16 product, and the copy cost more than the product (the result is the same)."""
-        if positions_last:
+        axis before a bf16 product, and the copy cost more than the product (the result is the same). The attention
+        kernel reads both in their own layout, each position's vector contiguous."""
+        if positions_last and not self._attention_kernel:
             return torch.zeros(slots, self.kv_heads, self.head_dim, capacity, dtype=self._dtype).transpose(2, 3)
         return torch.zeros(slots, self.kv_heads, capacity, self.head_dim, dtype=self._dtype)
 
@@ -354,7 +357,8 @@ class SlotDecoder:
             start += len(prompt)
         hidden = self._embed(ids)  # (tokens, hidden)
         rotations = self._rotations(hidden, positions)
-        masks = {window: self._row_mask(lengths, window) for window in {layer.window for layer in self._layers}}
+        windows = {layer.window for layer in self._layers}
+        masks = {window: None if self._attention_kernel else self._row_mask(lengths, window) for window in windows}
         prompt_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
         for index, layer in enumerate(self._layers):
             cos, sin = rotations[layer.rotary_type]
@@ -425,9 +429,9 @@ class SlotDecoder:
         if layer.rotates:
             q, k = self._rope(q, k, cos, sin, unsqueeze_dim=1)
         out = torch.empty_like(q)
-        rows = mask.shape[0] if mask is not None else 0
+        rows = spans[0][0] if spans else count  # the prompts' tokens follow the rows'
         if rows:
-            out[:rows] = self._decode_attention(index, q[:rows], k[:rows], v[:rows], mask, layer.softcap)
+            out[:rows] = self._decode_attention(index, q[:rows], k[:rows], v[:rows], mask, layer)
         for i, (start, end) in enumerate(spans):
             keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # (kv_heads, len, head_dim)
             prompt_kv[i].append((keys.contiguous(), values.contiguous()))
@@ -457,9 +461,15 @@ class SlotDecoder:
         scores = scores.masked_fill_(~_visible(length, layer.window), float("-inf"))
         return torch.matmul(scores.softmax(dim=-1), values[:, None]).view(self.heads, length, self.head_dim)
 
-    def _decode_attention(self, index, q, k, v, mask, softcap: float | None = None) -> torch.Tensor:
+    def _decode_attention(self, index, q, k, v, mask, layer: _Layer) -> torch.Tensor:
         """Each row's query against its slot: (rows, heads, head_dim) after appending its key and value; the scores
-        capped at `softcap` (`cap * tanh(scores / cap)`) when set."""
+        capped at the layer's softcap (`cap * tanh(scores / cap)`) when set, its window masked by `mask`."""
+        if self._attention_kernel:
+            keys, values, lengths = self._keys[index], self._values[index], self.lengths[: q.shape[0]]
+            return decode_attention.attend(
+                q, k, v, keys, values, lengths, scale=self._scale, window=layer.window, softcap=layer.softcap
+            )
+        softcap = layer.softcap
         rows, width = q.shape[0], mask.shape[-1]
         slot, position = torch.arange(rows), self.lengths[:rows]
         keys, values = self._keys[index], self._values[index]

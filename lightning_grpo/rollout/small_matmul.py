@@ -6,9 +6,7 @@ the weights out for its kernel than multiplying. `linear` streams each weight ro
 product with every row of `x` while both sit in the cache (`small_matmul.c`). Each output element is summed in the
 same order whatever the other rows are, so a row's result does not depend on the batch it is in.
 
-The kernel is C, compiled on first use with the system's C compiler (`$CC`, else `cc`) into
-`<cache>/kernels/` (`$LIGHTNING_GRPO_CACHE`, default `~/.cache/lightning_grpo`), once per source and compiler; a
-build takes about a second. Where it cannot run (not x86 with AVX2 and FMA, no compiler, the build fails, or
+The kernel is C, compiled on first use (`native_build`). Where it cannot run (not x86 with AVX2 and FMA, no compiler, the build fails, or
 `LIGHTNING_GRPO_SMALL_MATMUL=0`), `available()` is False, `unavailable_reason()` says why (logged once), and callers
 use torch's own linear layers.
 """
@@ -17,17 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from . import native_build
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +35,6 @@ SPLIT_MIN_NUMEL = 1 << 18
 ENV_SWITCH = "LIGHTNING_GRPO_SMALL_MATMUL"
 
 _SOURCE = Path(__file__).with_name("small_matmul.c")
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread")
 
 
 def available() -> bool:
@@ -96,12 +90,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 @functools.cache
 def _load() -> tuple[Callable[..., int] | None, str | None]:
     """(the kernel's function, None), or (None, why not); the reason is logged once."""
-    reason = _refusal()
+    reason = native_build.refusal(ENV_SWITCH)
     if reason is not None:
         log.info("The embedded generator's small-batch kernel is off (%s); torch's linear layers run instead.", reason)
         return None, reason
     try:
-        library = ctypes.CDLL(str(_build()))
+        library = native_build.load(_SOURCE)
     except (OSError, subprocess.SubprocessError) as error:
         reason = f"building or loading {_SOURCE.name} failed: {error}"
         log.warning("The embedded generator's small-batch kernel is off (%s); torch's linear layers run.", reason)
@@ -110,53 +104,3 @@ def _load() -> tuple[Callable[..., int] | None, str | None]:
     function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     function.restype = ctypes.c_int  # threads that could not be started (their share ran on the calling thread)
     return function, None
-
-
-def _refusal() -> str | None:
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return f"{ENV_SWITCH}=0"
-    if platform.machine().lower() not in {"x86_64", "amd64"}:
-        return f"the CPU is {platform.machine()}, not x86-64"
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in {"AVX2", "AVX512"}:  # torch's AVX2 level requires FMA too
-        return f"the CPU has no AVX2 and FMA (torch reports {capability})"
-    if _compiler() is None:
-        return "no C compiler found: set $CC or install gcc"
-    return None
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
-
-
-def _build() -> Path:
-    """The shared library, compiled into the cache folder unless a build of the same source and compiler is there.
-
-    Concurrent builds (several processes starting at once) each write their own file and rename it into place.
-    """
-    from ..models.smollm2 import default_cache_dir
-
-    compiler = _compiler()
-    if compiler is None:
-        raise OSError("no C compiler found: set $CC or install gcc")
-    source = _SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode()])).hexdigest()[:16]
-    folder = default_cache_dir() / "kernels"
-    target = folder / f"small_matmul-{digest}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(dir=folder, prefix=".small_matmul-", suffix=".so")
-    os.close(handle)
-    try:
-        done = subprocess.run(
-            [compiler, *_FLAGS, str(_SOURCE), "-o", partial], capture_output=True, text=True, timeout=120
-        )
-        if done.returncode != 0:
-            raise OSError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-500:]}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target

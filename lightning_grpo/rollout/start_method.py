@@ -91,9 +91,9 @@ def release_forkserver() -> None:
     """
     from multiprocessing import forkserver
 
-    server = getattr(forkserver, "_forkserver", None)
+    server: Any = getattr(forkserver, "_forkserver", None)
     alive_fd = getattr(server, "_forkserver_alive_fd", None)
-    if alive_fd is None or getattr(server, "_forkserver_pid", None) is not None:  # none, or this process's own server
+    if alive_fd is None or server._forkserver_pid is not None:  # none, or this process's own server
         return
     with contextlib.suppress(OSError):
         os.close(alive_fd)

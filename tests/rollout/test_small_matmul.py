@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_grpo.models import tiny_llama
-from lightning_grpo.rollout import small_matmul
+from lightning_grpo.rollout import native_build, small_matmul
 from lightning_grpo.rollout.decoder import SlotDecoder
 
 x86_with_avx2 = platform.machine().lower() in {"x86_64", "amd64"} and torch.backends.cpu.get_cpu_capability() in {
@@ -124,10 +124,10 @@ def test_a_failing_compiler_leaves_torchs_layers_and_the_decoder_exact(fresh_ker
 @pytest.mark.skipif(not (x86_with_avx2 and shutil.which("cc")), reason="needs an x86 CPU with AVX2 and cc")
 def test_a_build_goes_into_the_cache_folder_once_per_source(fresh_kernel_state, tmp_path):
     fresh_kernel_state.setenv("LIGHTNING_GRPO_CACHE", str(tmp_path))
-    first = small_matmul._build()
+    first = native_build.build(small_matmul._SOURCE)
     assert first.parent == tmp_path / "kernels" and first.name.startswith("small_matmul-")
     stamp = first.stat().st_mtime_ns
-    assert small_matmul._build() == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert native_build.build(small_matmul._SOURCE) == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
 
 

@@ -1,0 +1,282 @@
+/* One decode step's attention over a slot cache, for every row at once (AVX2 + FMA; float32 or bfloat16 tensors).
+ *
+ * Row r's new key and value (one per key/value head) are written at position lengths[r] of its slot, then each of
+ * its query heads attends to positions [start, lengths[r]] of its slot (start > 0 only within a sliding window):
+ * scores = scale * q.k (capped as cap * tanh(s / cap) when softcap > 0), their softmax, and the weighted sum of the
+ * values. Everything is computed in float32 and the output is rounded once to the tensors' dtype (bf16: to nearest,
+ * ties to even, as torch rounds). The query heads that share a key/value head are served together, so each cached
+ * key and value is read once per step and converted once, in place (no copy of the cache, no mask tensor).
+ *
+ * Layouts (all contiguous): q and out (rows, heads, dim); k_new and v_new (rows, kv_heads, dim); the caches
+ * (slots, kv_heads, capacity, dim) with slot r holding row r. `threads` > 1 splits the (row, key/value head) pairs
+ * between threads started for the call.
+ *
+ * Built by native_build.py with the system's C compiler; see decode_attention.py.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_THREADS 64
+
+typedef struct {
+    const void *q, *k_new, *v_new;
+    void *k_cache, *v_cache, *out;
+    const int64_t *lengths;
+    int64_t rows, heads, kv_heads, dim, capacity, window;
+    float scale, softcap;
+    int bf16;
+    int64_t first, last; /* the (row, kv head) pairs of this share: [first, last) */
+    int failed;
+} Problem;
+
+/* -- conversions ------------------------------------------------------------------------------------------------ */
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* dim values of a key or value vector (bf16 or float32) into float32. */
+static inline void to_float(const void *src, int64_t index, int64_t dim, int bf16, float *dst) {
+    if (!bf16) {
+        memcpy(dst, (const float *)src + index, (size_t)dim * 4);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)src + index;
+    int64_t c = 0;
+    for (; c + 8 <= dim; c += 8) {
+        __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + c)));
+        _mm256_storeu_ps(dst + c, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+    }
+    for (; c < dim; ++c) dst[c] = bf16_to_float(h[c]);
+}
+
+static inline void copy_vector(const void *src, int64_t from, void *dst, int64_t to, int64_t dim, int bf16) {
+    size_t width = bf16 ? 2 : 4;
+    memcpy((char *)dst + to * width, (const char *)src + from * width, (size_t)dim * width);
+}
+
+/* -- vector math ------------------------------------------------------------------------------------------------ */
+
+/* exp(x) for 8 floats (x <= 0 here: scores minus their maximum), Cephes' polynomial: relative error ~2e-7. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_sub_ps(x, _mm256_mul_ps(n, c1));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(n, c2));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(power));
+}
+
+static inline float hsum8(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float dot(const float *a, const float *b, int64_t dim) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= dim; c += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8), _mm256_loadu_ps(b + c + 8), acc1);
+    }
+    for (; c + 8 <= dim; c += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc0);
+    float sum = hsum8(_mm256_add_ps(acc0, acc1));
+    for (; c < dim; ++c) sum += a[c] * b[c];
+    return sum;
+}
+
+/* scores[0..n) = exp(scores - max) in place; returns their sum. */
+static float exp_shifted(float *scores, int64_t n) {
+    float peak = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) peak = scores[j] > peak ? scores[j] : peak;
+    __m256 shift = _mm256_set1_ps(peak), total = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), shift));
+        _mm256_storeu_ps(scores + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float sum = hsum8(total);
+    for (; j < n; ++j) {
+        scores[j] = expf(scores[j] - peak);
+        sum += scores[j];
+    }
+    return sum;
+}
+
+/* -- one (row, key/value head) pair ----------------------------------------------------------------------------- */
+
+/* Positions whose keys are scored together, and query heads whose outputs are summed together (in registers). */
+#define BLOCK 8
+#define HEADS_AT_ONCE 4
+
+/* The 8 horizontal sums of a[0..8), in order. */
+static inline __m256 sum8x8(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* 8 values at `index` of a bf16 or float32 array, as float32. */
+static inline __m256 load8(const void *src, int64_t index, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)src + index);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)src + index));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float load1(const void *src, int64_t index, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)src)[index]) : ((const float *)src)[index];
+}
+
+/* Ask for the cache lines of `count` values from `index` on (past the end of the cache is harmless: a prefetch
+   never faults). */
+static inline void prefetch(const void *src, int64_t index, int64_t count, int bf16) {
+    const char *start = (const char *)src + index * (bf16 ? 2 : 4), *end = start + count * (bf16 ? 2 : 4);
+    for (const char *line = start; line < end; line += 64) _mm_prefetch(line, _MM_HINT_T0);
+}
+
+/* scores[g * n + j] = scale * q_g . key_j for the n keys from `first` (a vector index) on. */
+static void score(const Problem *p, const float *queries, int64_t group, int64_t first, int64_t n, float *keys,
+                  float *scores) {
+    const int64_t dim = p->dim, whole = dim & ~(int64_t)7;
+    for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {
+        const int64_t count = n - j0 < BLOCK ? n - j0 : BLOCK;
+        prefetch(p->k_cache, (first + j0 + 2 * BLOCK) * dim, BLOCK * dim, p->bf16); /* two blocks ahead */
+        for (int64_t i = 0; i < count; ++i) to_float(p->k_cache, (first + j0 + i) * dim, dim, p->bf16, keys + i * dim);
+        for (int64_t g = 0; g < group; ++g) {
+            const float *q = queries + g * dim;
+            if (count == BLOCK && whole == dim) {
+                __m256 acc[BLOCK];
+                for (int i = 0; i < BLOCK; ++i) acc[i] = _mm256_setzero_ps();
+                for (int64_t c = 0; c < dim; c += 8) {
+                    __m256 qv = _mm256_loadu_ps(q + c);
+                    for (int i = 0; i < BLOCK; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + i * dim + c), acc[i]);
+                }
+                _mm256_storeu_ps(scores + g * n + j0, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(p->scale)));
+            } else {
+                for (int64_t i = 0; i < count; ++i) scores[g * n + j0 + i] = p->scale * dot(q, keys + i * dim, dim);
+            }
+        }
+    }
+    if (p->softcap > 0)
+        for (int64_t s = 0; s < group * n; ++s) scores[s] = p->softcap * tanhf(scores[s] / p->softcap);
+}
+
+/* outs[g * dim + c] = sum_j weights[g * n + j] * value_j[c], for the n values from `first` (a vector index) on. */
+static void weigh(const Problem *p, const float *weights, int64_t group, int64_t first, int64_t n, float *outs) {
+    const int64_t dim = p->dim, whole = dim & ~(int64_t)7;
+    for (int64_t g0 = 0; g0 < group; g0 += HEADS_AT_ONCE) {
+        const int64_t heads = group - g0 < HEADS_AT_ONCE ? group - g0 : HEADS_AT_ONCE;
+        for (int64_t c = 0; c < whole; c += 8) {
+            __m256 acc[HEADS_AT_ONCE];
+            for (int h = 0; h < HEADS_AT_ONCE; ++h) acc[h] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < n; ++j) {
+                __m256 value = load8(p->v_cache, (first + j) * dim + c, p->bf16);
+                for (int64_t h = 0; h < heads; ++h)
+                    acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(weights[(g0 + h) * n + j]), value, acc[h]);
+            }
+            for (int64_t h = 0; h < heads; ++h) _mm256_storeu_ps(outs + (g0 + h) * dim + c, acc[h]);
+        }
+        for (int64_t c = whole; c < dim; ++c) {
+            for (int64_t h = 0; h < heads; ++h) {
+                float sum = 0;
+                for (int64_t j = 0; j < n; ++j) sum += weights[(g0 + h) * n + j] * load1(p->v_cache, (first + j) * dim + c, p->bf16);
+                outs[(g0 + h) * dim + c] = sum;
+            }
+        }
+    }
+}
+
+/* scratch: group * dim (queries) + BLOCK * dim (keys) + group * dim (outputs) + group * capacity (scores). */
+static void attend(const Problem *p, int64_t pair, float *scratch) {
+    const int64_t row = pair / p->kv_heads, head = pair % p->kv_heads, dim = p->dim;
+    const int64_t group = p->heads / p->kv_heads, position = p->lengths[row];
+    float *queries = scratch, *keys = queries + group * dim, *outs = keys + BLOCK * dim, *scores = outs + group * dim;
+    const int64_t slot = (row * p->kv_heads + head) * p->capacity; /* the slot's first position, in vectors */
+    copy_vector(p->k_new, pair * dim, p->k_cache, (slot + position) * dim, dim, p->bf16);
+    copy_vector(p->v_new, pair * dim, p->v_cache, (slot + position) * dim, dim, p->bf16);
+    const int64_t start = p->window > 0 && position + 1 > p->window ? position + 1 - p->window : 0;
+    const int64_t n = position + 1 - start;
+    const int64_t q_first = (row * p->heads + head * group) * dim;
+    for (int64_t g = 0; g < group; ++g) to_float(p->q, q_first + g * dim, dim, p->bf16, queries + g * dim);
+    score(p, queries, group, slot + start, n, keys, scores);
+    float inverse[group];
+    for (int64_t g = 0; g < group; ++g) inverse[g] = 1.0f / exp_shifted(scores + g * n, n);
+    prefetch(p->v_cache, (slot + start) * dim, n * dim, p->bf16); /* read while the scores' softmax is computed */
+    weigh(p, scores, group, slot + start, n, outs);
+    for (int64_t g = 0; g < group; ++g) {
+        for (int64_t c = 0; c < dim; ++c) {
+            float value = outs[g * dim + c] * inverse[g];
+            if (p->bf16) ((uint16_t *)p->out)[q_first + g * dim + c] = float_to_bf16(value);
+            else ((float *)p->out)[q_first + g * dim + c] = value;
+        }
+    }
+}
+
+static void *run(void *argument) {
+    Problem *p = (Problem *)argument;
+    const int64_t group = p->heads / p->kv_heads;
+    float *scratch = malloc((size_t)((2 * group + BLOCK) * p->dim + group * p->capacity) * 4);
+    if (scratch == NULL) {
+        p->failed = 1;
+        return 0;
+    }
+    for (int64_t pair = p->first; pair < p->last; ++pair) attend(p, pair, scratch);
+    free(scratch);
+    return 0;
+}
+
+/* Returns 0, or -1 when scratch memory could not be had (nothing is then known to be computed). */
+int decode_attention(const void *q, const void *k_new, const void *v_new, void *k_cache, void *v_cache,
+                     const int64_t *lengths, void *out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                     int64_t capacity, int64_t window, float scale, float softcap, int bf16, int threads) {
+    Problem base = {q, k_new, v_new, k_cache, v_cache, out, lengths, rows, heads, kv_heads, dim, capacity, window,
+                    scale, softcap, bf16, 0, 0, 0};
+    const int64_t pairs = rows * kv_heads;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > pairs) threads = (int)pairs;
+    if (threads < 1) threads = 1;
+    Problem shares[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 0; t < threads; ++t) {
+        shares[t] = base;
+        shares[t].first = pairs * t / threads;
+        shares[t].last = pairs * (t + 1) / threads;
+    }
+    for (int t = 1; t < threads; ++t) started[t] = pthread_create(&ids[t], 0, run, &shares[t]) == 0;
+    run(&shares[0]);
+    for (int t = 1; t < threads; ++t) {
+        if (started[t]) pthread_join(ids[t], 0);
+        else run(&shares[t]); /* a thread that could not start: its share runs here */
+    }
+    int failed = 0;
+    for (int t = 0; t < threads; ++t) failed |= shares[t].failed;
+    return failed ? -1 : 0;
+}

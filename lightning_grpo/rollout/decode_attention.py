@@ -1,0 +1,132 @@
+"""A decode step's attention over the embedded generator's slot cache, in one C call (`decode_attention.c`).
+
+Each running row appends its new key and value to its slot, then its query heads attend to the slot's filled
+positions (the last `window` of them in a sliding-window layer), softcapped where the family caps its scores. torch
+would run this as several operations per layer: an indexed write into the cache, a batched product that copies the
+slot's keys and values first, a mask, a softmax and a second product, each over bf16 values rounded between steps.
+The kernel reads every cached key and value once, in place, for all the query heads that share it, computes in
+float32, and rounds the output once.
+
+It needs an x86-64 CPU with AVX2 and FMA and a C compiler (`native_build`); `available()` says whether it runs here
+and `unavailable_reason()` why not (`LIGHTNING_GRPO_DECODE_ATTENTION=0` turns it off). The decoder then runs torch's
+operations instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from . import native_build
+
+log = logging.getLogger(__name__)
+
+#: Set to "0" to run torch's operations instead.
+ENV_SWITCH = "LIGHTNING_GRPO_DECODE_ATTENTION"
+#: The dtypes the kernel takes.
+DTYPES = (torch.float32, torch.bfloat16)
+#: The fewest (row, key/value head) pairs per thread worth starting a thread for.
+PAIRS_PER_THREAD = 16
+
+_SOURCE = Path(__file__).with_name("decode_attention.c")
+
+
+def available() -> bool:
+    """Whether `attend` can run here (the kernel is built and loaded on the first call)."""
+    return _load()[0] is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run here, or None when it can."""
+    return _load()[1]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Append each row's key and value to its slot and attend; the attention output, shaped like `q`.
+
+    Args:
+        q: (rows, heads, dim), the rows' queries (rotated).
+        k: (rows, kv_heads, dim), the rows' new keys (rotated); `v` the same for values.
+        key_cache: (slots >= rows, kv_heads, capacity, dim), contiguous; row `r` lives in slot `r`. `value_cache`
+            the same for values. Written at position `lengths[r]` of each row's slot.
+        lengths: (rows,) int64, the positions each slot holds before this step (the new key's position).
+        scale: the scores' factor (the model's `attention.scaling`).
+        window: a sliding-window layer's window: position `p` sees keys `j` with `p - j < window`.
+        softcap: scores capped as `softcap * tanh(scores / softcap)`.
+
+    Raises:
+        RuntimeError: the kernel is not available here (with the reason), or it could not get scratch memory.
+        ValueError: tensors of other dtypes, shapes or layouts than those above, or a full slot.
+    """
+    kernel, reason = _load()
+    if kernel is None:
+        raise RuntimeError(f"decode_attention.attend cannot run here: {reason}")
+    _check(q, k, v, key_cache, value_cache, lengths)
+    rows, heads, dim = q.shape
+    kv_heads, capacity = key_cache.shape[1], key_cache.shape[2]
+    q, k, v, lengths = q.contiguous(), k.contiguous(), v.contiguous(), lengths.contiguous()
+    out = torch.empty_like(q)
+    threads = max(1, min(torch.get_num_threads(), rows * kv_heads // PAIRS_PER_THREAD))
+    pointers = [t.data_ptr() for t in (q, k, v, key_cache, value_cache, lengths, out)]
+    code = kernel(
+        *pointers, rows, heads, kv_heads, dim, capacity, window or 0, scale, softcap or 0.0,
+        int(q.dtype == torch.bfloat16), threads,
+    )  # fmt: skip
+    if code != 0:
+        raise RuntimeError("decode_attention.attend could not allocate its scratch memory.")
+    return out
+
+
+def _check(q, k, v, key_cache, value_cache, lengths) -> None:
+    rows, heads, dim = q.shape
+    problems = []
+    if q.dtype not in DTYPES or len({t.dtype for t in (q, k, v, key_cache, value_cache)}) != 1:
+        problems.append(f"dtypes {[str(t.dtype) for t in (q, k, v, key_cache, value_cache)]} (one of {DTYPES})")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape or key_cache.shape[3] != dim:
+        problems.append(f"caches {tuple(key_cache.shape)} and {tuple(value_cache.shape)} for dim {dim}")
+    elif key_cache.shape[0] < rows or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        problems.append("caches with fewer slots than rows, or not contiguous")
+    elif k.shape != (rows, key_cache.shape[1], dim) or v.shape != k.shape or heads % key_cache.shape[1]:
+        problems.append(f"k {tuple(k.shape)} / v {tuple(v.shape)} for q {tuple(q.shape)}")
+    if lengths.dtype != torch.int64 or lengths.shape != (rows,):
+        problems.append(f"lengths {lengths.dtype} {tuple(lengths.shape)} (int64, one per row)")
+    elif rows and not problems and int(lengths.max()) >= key_cache.shape[2]:
+        problems.append(f"a slot is full: position {int(lengths.max())} of capacity {key_cache.shape[2]}")
+    if problems:
+        raise ValueError(f"decode_attention.attend got {'; '.join(problems)}. Use the decoder's torch path.")
+
+
+@functools.cache
+def _load() -> tuple[Callable[..., int] | None, str | None]:
+    """(the kernel's function, None), or (None, why not); the reason is logged once."""
+    reason = native_build.refusal(ENV_SWITCH)
+    if reason is not None:
+        log.info("The embedded generator's attention kernel is off (%s); torch's operations run instead.", reason)
+        return None, reason
+    try:
+        library = native_build.load(_SOURCE)
+    except (OSError, subprocess.SubprocessError) as error:
+        reason = f"building or loading {_SOURCE.name} failed: {error}"
+        log.warning("The embedded generator's attention kernel is off (%s); torch's operations run instead.", reason)
+        return None, reason
+    function = library.decode_attention
+    function.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2
+    function.restype = ctypes.c_int
+    return function, None

@@ -1,0 +1,82 @@
+"""The embedded generator's C kernels (`small_matmul.c`, `decode_attention.c`): compiled on first use and loaded.
+
+Each kernel is compiled with the system's C compiler (`$CC`, else `cc`, else `gcc`) into `<cache>/kernels/`
+(`$LIGHTNING_GRPO_CACHE`, default `~/.cache/lightning_grpo`), once per source, flags and compiler; a build takes about
+a second. They need an x86-64 CPU with AVX2 and FMA. Where a kernel cannot run, `load` says why, and its caller runs
+torch's own operations instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+#: The compiler flags of every kernel.
+FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread")
+
+
+def refusal(switch: str) -> str | None:
+    """Why no kernel can run here, or None when one can; `switch` is the kernel's environment switch ("0" is off)."""
+    if os.environ.get(switch, "1") == "0":
+        return f"{switch}=0"
+    if platform.machine().lower() not in {"x86_64", "amd64"}:
+        return f"the CPU is {platform.machine()}, not x86-64"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in {"AVX2", "AVX512"}:  # torch's AVX2 level requires FMA too
+        return f"the CPU has no AVX2 and FMA (torch reports {capability})"
+    if compiler() is None:
+        return "no C compiler found: set $CC or install gcc"
+    return None
+
+
+def load(source: Path) -> ctypes.CDLL:
+    """The shared library of `source`, built first unless a build of the same source, flags and compiler is cached.
+
+    Raises:
+        OSError: no compiler, the build failed (with the compiler's message), or the library does not load.
+        subprocess.SubprocessError: the compiler did not answer.
+    """
+    return ctypes.CDLL(str(build(source)))
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+
+
+def build(source: Path) -> Path:
+    """The shared library of `source`, compiled into the cache folder unless a build of the same source, flags and
+    compiler is there. Concurrent builds (several processes starting at once) each write their own file and rename
+    it into place."""
+    from ..models.smollm2 import default_cache_dir
+
+    cc = compiler()
+    if cc is None:
+        raise OSError("no C compiler found: set $CC or install gcc")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), version.encode()]))
+    folder = default_cache_dir() / "kernels"
+    target = folder / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=folder, prefix=f".{source.stem}-", suffix=".so")
+    os.close(handle)
+    try:
+        done = subprocess.run(
+            [cc, *FLAGS, str(source), "-o", partial, "-lm"], capture_output=True, text=True, timeout=120
+        )
+        if done.returncode != 0:
+            raise OSError(f"{cc} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target

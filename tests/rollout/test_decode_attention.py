@@ -1,0 +1,127 @@
+"""The decode step's attention kernel (`rollout/decode_attention.c`): against float64 attention for every shape's
+leftovers (head dims not a multiple of 8, query groups wider than it serves at once, blocks of positions cut short),
+sliding windows, softcaps and threads; the cache writes; the inputs it refuses; and the fallbacks."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+
+from lightning_grpo.models.tiny import tiny_llama_config
+from lightning_grpo.rollout import decode_attention
+from lightning_grpo.rollout.decoder import SlotDecoder
+
+needs_kernel = pytest.mark.skipif(not decode_attention.available(), reason=f"{decode_attention.unavailable_reason()}")
+x86_with_avx2 = platform.machine().lower() in {"x86_64", "amd64"} and torch.backends.cpu.get_cpu_capability() in {
+    "AVX2",
+    "AVX512",
+}
+
+
+@pytest.fixture
+def fresh_kernel_state(monkeypatch):
+    """Lets a test load the kernel again under its own environment, and restores the suite's afterwards."""
+    decode_attention._load.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    decode_attention._load.cache_clear()
+
+
+def reference(q, k, v, keys, values, lengths, scale, window=None, softcap=None):
+    """float64 attention of each row to its slot after writing its key and value; (out, keys, values)."""
+    keys, values = keys.clone(), values.clone()
+    rows, heads, _ = q.shape
+    group = heads // keys.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for row in range(rows):
+        position = int(lengths[row])
+        keys[row, :, position], values[row, :, position] = k[row], v[row]
+        start = max(0, position + 1 - window) if window else 0
+        for head in range(heads):
+            seen = keys[row, head // group, start : position + 1].double()
+            scores = seen @ q[row, head].double() * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            out[row, head] = scores.softmax(-1) @ values[row, head // group, start : position + 1].double()
+    return out, keys, values
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("rows", "heads", "kv_heads", "dim", "window", "softcap", "threads"),
+    [
+        (5, 4, 2, 16, None, None, 1),
+        (7, 9, 3, 64, 4, None, 1),  # a sliding window shorter than most rows
+        (3, 6, 6, 20, None, 30.0, 1),  # a head dim with a leftover of 4, softcapped scores, one query per kv head
+        (4, 14, 2, 8, 9, 50.0, 1),  # 7 queries per kv head: more than the kernel sums at once
+        (33, 8, 1, 96, None, None, 2),  # one kv head shared by 8 queries, split between two threads
+        (64, 9, 3, 64, None, None, 2),
+    ],
+)
+def test_the_kernel_is_float64_attention_within_the_outputs_rounding_and_writes_the_new_key_and_value(
+    dtype, rows, heads, kv_heads, dim, window, softcap, threads
+):
+    generator = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows, heads, dim, generator=generator).to(dtype)
+    k, v = (torch.randn(rows, kv_heads, dim, generator=generator).to(dtype) for _ in range(2))
+    keys, values = (torch.randn(rows + 2, kv_heads, 40, dim, generator=generator).to(dtype) for _ in range(2))
+    lengths = torch.randint(0, 40, (rows,), generator=generator)
+    lengths[0], lengths[-1] = 0, 39  # a first token and a full slot's last position
+    expected, expected_keys, expected_values = reference(q, k, v, keys, values, lengths, 0.3, window, softcap)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = decode_attention.attend(q, k, v, keys, values, lengths, scale=0.3, window=window, softcap=softcap)
+    finally:
+        torch.set_num_threads(previous)
+    assert out.shape == q.shape and out.dtype == dtype
+    tolerance = 2**-7 if dtype == torch.bfloat16 else 2e-6  # half a bf16 ulp of values below 4; float32 sums
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)  # written in place, only there
+
+
+@needs_kernel
+def test_the_kernel_refuses_inputs_it_cannot_read_naming_them():
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
+    keys = torch.zeros(2, 2, 10, 8)
+    with pytest.raises(ValueError, match=r"dtypes .*bfloat16.*Use the decoder's torch path"):
+        decode_attention.attend(q, k, k, keys.bfloat16(), keys.bfloat16(), torch.tensor([1, 2]), scale=1.0)
+    with pytest.raises(ValueError, match="a slot is full: position 10 of capacity 10"):
+        decode_attention.attend(q, k, k, keys, keys.clone(), torch.tensor([1, 10]), scale=1.0)
+    with pytest.raises(ValueError, match="not contiguous"):
+        decode_attention.attend(
+            q, k, k, keys.transpose(2, 3).contiguous().transpose(2, 3), keys, torch.tensor([1, 2]), scale=1.0
+        )
+    with pytest.raises(ValueError, match=r"lengths torch.int32"):
+        decode_attention.attend(q, k, k, keys, keys.clone(), torch.tensor([1, 2], dtype=torch.int32), scale=1.0)
+
+
+def test_the_kernel_runs_on_an_x86_cpu_with_avx2_and_a_c_compiler():
+    if not (x86_with_avx2 and (shutil.which("cc") or shutil.which("gcc"))):
+        pytest.skip("not an x86 CPU with AVX2 and a C compiler: the kernel is not expected here")
+    assert decode_attention.available(), decode_attention.unavailable_reason()
+
+
+def test_switched_off_or_unbuildable_the_decoder_runs_torchs_attention(fresh_kernel_state, tmp_path, caplog):
+    fresh_kernel_state.setenv(decode_attention.ENV_SWITCH, "0")
+    assert decode_attention.unavailable_reason() == f"{decode_attention.ENV_SWITCH}=0"
+    with pytest.raises(RuntimeError, match="cannot run here: LIGHTNING_GRPO_DECODE_ATTENTION=0"):
+        decode_attention.attend(torch.randn(1, 2, 8), *[torch.randn(1, 1, 8)] * 2, *[torch.zeros(1, 1, 4, 8)] * 2,
+                                torch.tensor([0]), scale=1.0)  # fmt: skip
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    assert not SlotDecoder(model)._attention_kernel
+    if not x86_with_avx2:
+        return
+    decode_attention._load.cache_clear()
+    fresh_kernel_state.delenv(decode_attention.ENV_SWITCH)
+    fresh_kernel_state.setenv("LIGHTNING_GRPO_CACHE", str(tmp_path))
+    fresh_kernel_state.setenv("CC", shutil.which("false"))
+    assert not decode_attention.available() and "exited 1" in decode_attention.unavailable_reason()
+    assert "attention kernel is off" in caplog.text
+    assert not SlotDecoder(model)._attention_kernel
