@@ -2,16 +2,19 @@
 
 A bf16 matrix product is ~4x faster than fp32 where the CPU has bf16 instructions (AVX512_BF16, AMX, Arm's BF16) and
 ~15x slower where it has not (AVX2: torch emulates bf16 through fp32 conversions), so the fast precision depends on
-the machine. `probe_matmul_precision()` reads the CPU's flags and times one fp32 and one bf16 product of a
-decoder-like shape (a decode step of 64 rows through a 576 x 1536 linear layer, SmolLM2's MLP) on one thread, about
-a tenth of a second, and says which dtype won, by how much and why. The verdict is cached in
+the machine, and on a CPU with AMX tiles the ratio grows with the product's size. `probe_matmul_precision()` reads
+the CPU's flags and times, on one thread, fp32 and bf16 products of the two shapes that matter: a decode step of 64
+rows through a 576 x 1536 linear layer (SmolLM2's MLP) as the embedded generator runs it (the faster of torch's
+`linear` and oneDNN on a pre-packed weight, which the generator uses where it has it), and a training micro-batch
+of 2,048 tokens through the same layer as the trainer runs it (torch's `linear`), in about half a second. It says
+which dtype won at the generator's shape, by how much at each shape and why. The verdict is cached in
 `<cache>/precision/` (`$LIGHTNING_GRPO_CACHE`, else `~/.cache/lightning_grpo`) under a key made of the CPU model,
 its flags, torch's version and CPU capability, so a process on the same machine and torch reads it back in
 microseconds and a new CPU or torch probes again.
 
     >>> verdict = probe_matmul_precision()
     >>> verdict.dtype, verdict.reason  # doctest: +SKIP
-    ('bfloat16', 'bf16 4.3x faster than fp32 here (AVX512_BF16)')
+    ('bfloat16', 'bf16 4.3x faster than fp32 here at decode products, 4.6x at training products (AVX512_BF16)')
 
 `GRPODataModule(generator_dtype="auto")` (the default) runs the embedded generator in the verdict's dtype
 (`resolve_generator_dtype`), and `AutoPrecision` (the `lightning-grpo` command's default precision) trains in
@@ -36,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from .packed_matmul import pack_weight, packed_linear
+from .packed_matmul import pack_weight, packed_linear, packing_available
 from .smollm2 import default_cache_dir
 
 __all__ = [
@@ -48,13 +51,15 @@ __all__ = [
     "resolve_generator_dtype",
 ]
 
-#: The probe's product: rows x inner -> outer, as `torch.nn.functional.linear` (a decode step of 64 rows through
-#: SmolLM2's 576 -> 1536 MLP projection; big enough that the kernel, not call overhead, decides).
+#: The probe's products, rows x inner -> outer, as `torch.nn.functional.linear`: a decode step of 64 rows through
+#: SmolLM2's 576 -> 1536 MLP projection (big enough that the kernel, not call overhead, decides), and a training
+#: micro-batch of 2,048 tokens through the same layer.
 PROBE_SHAPE = (64, 576, 1536)
+TRAIN_SHAPE = (2048, 576, 1536)
 #: bf16 must beat fp32 by this factor to be chosen: below it, the precision it loses is not worth the time it saves.
 MIN_SPEEDUP = 1.2
 #: Bumped when the probe itself changes, so that verdicts of an older probe are not read back.
-PROBE_VERSION = 1
+PROBE_VERSION = 2
 #: /proc/cpuinfo flags that decide bf16 speed, strongest first, with the name the reason gives them.
 _BF16_FLAGS = {"amx_bf16": "AMX_BF16", "avx512_bf16": "AVX512_BF16", "bf16": "BF16"}  # "bf16": Arm's Features
 DType = Literal["float32", "bfloat16"]
@@ -69,9 +74,12 @@ class PrecisionVerdict:
     """The probe's answer: the faster matmul dtype here, by how much, and why in words.
 
     Attributes:
-        dtype: "bfloat16" when bf16 products beat fp32 by at least `MIN_SPEEDUP`, else "float32".
-        bf16_speedup: fp32 time over bf16 time (above 1: bf16 is faster; 0.06: bf16 is 17x slower).
-        fp32_gflops, bf16_gflops: the two products' speed on one thread.
+        dtype: "bfloat16" when bf16 decode products beat fp32 by at least `MIN_SPEEDUP`, else "float32".
+        bf16_speedup: at the decode shape (`PROBE_SHAPE`), fp32 time over bf16 time (above 1: bf16 is faster;
+            0.06: bf16 is 17x slower).
+        fp32_gflops, bf16_gflops: the decode products' speed on one thread, each on its faster path.
+        train_fp32_gflops, train_bf16_gflops: the training products' (`TRAIN_SHAPE`) speed on one thread; their
+            ratio is `train_bf16_speedup`. 0 in a verdict that was not measured.
         bf16_hardware: the CPU flag that makes bf16 fast ("AVX512_BF16", "AMX_BF16", "BF16"), or "" when none.
         reason: one line for a start-up log, e.g. "bf16 4.4x faster than fp32 here (AVX512_BF16)".
         key: the cache key (CPU model, flags, torch version and capability); a different key probes again.
@@ -87,10 +95,17 @@ class PrecisionVerdict:
     reason: str
     key: str
     from_cache: bool = False
+    train_fp32_gflops: float = 0.0
+    train_bf16_gflops: float = 0.0
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def train_bf16_speedup(self) -> float:
+        """At the training shape, fp32 time over bf16 time (0 when not measured)."""
+        return self.train_bf16_gflops / self.train_fp32_gflops if self.train_fp32_gflops else 0.0
 
 
 def cpu_signature() -> dict[str, str]:
@@ -191,24 +206,35 @@ def _measure(signature: dict[str, str], key: str) -> PrecisionVerdict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        fp32 = matmul_gflops(*PROBE_SHAPE, torch.float32, min_seconds=0.05)
-        bf16 = matmul_gflops(*PROBE_SHAPE, torch.bfloat16, min_seconds=0.05)
+        fp32, bf16 = (_decode_gflops(dtype) for dtype in (torch.float32, torch.bfloat16))
+        train_fp32, train_bf16 = (matmul_gflops(*TRAIN_SHAPE, dtype) for dtype in (torch.float32, torch.bfloat16))
     finally:
         torch.set_num_threads(threads)
     flags = set(signature["flags"].split())
     hardware = next((label for flag, label in _BF16_FLAGS.items() if flag in flags), "")
     speedup = bf16 / fp32
     dtype: DType = "bfloat16" if speedup >= MIN_SPEEDUP else "float32"
-    return PrecisionVerdict(dtype, speedup, fp32, bf16, hardware, _reason(speedup, hardware), key)
+    reason = _reason(speedup, hardware, train_bf16 / train_fp32)
+    return PrecisionVerdict(dtype, speedup, fp32, bf16, hardware, reason, key, False, train_fp32, train_bf16)
 
 
-def _reason(speedup: float, hardware: str) -> str:
+def _decode_gflops(dtype: torch.dtype) -> float:
+    """The decode product's speed in `dtype` on its faster path: torch's `linear`, or oneDNN on a packed weight."""
+    plain = matmul_gflops(*PROBE_SHAPE, dtype, min_seconds=0.05)
+    if not packing_available(dtype):
+        return plain
+    return max(plain, matmul_gflops(*PROBE_SHAPE, dtype, min_seconds=0.05, packed=True))
+
+
+def _reason(speedup: float, hardware: str, train_speedup: float) -> str:
     why = hardware or "no bf16 hardware"
+    training = f"{train_speedup:.1f}x" if train_speedup >= 1.0 else f"{1 / train_speedup:.1f}x slower"
+    shapes = f"here at decode products, {training} at training products ({why})"
     if speedup >= MIN_SPEEDUP:
-        return f"bf16 {speedup:.1f}x faster than fp32 here ({why})"
+        return f"bf16 {speedup:.1f}x faster than fp32 {shapes}"
     if speedup >= 1.0:
-        return f"bf16 only {speedup:.2f}x faster than fp32 here ({why}), under the {MIN_SPEEDUP}x worth its precision"
-    return f"bf16 {1 / speedup:.1f}x slower than fp32 here ({why})"
+        return f"bf16 only {speedup:.2f}x faster than fp32 {shapes}, under the {MIN_SPEEDUP}x worth its precision"
+    return f"bf16 {1 / speedup:.1f}x slower than fp32 {shapes}"
 
 
 def _read(path: Path, key: str) -> PrecisionVerdict | None:

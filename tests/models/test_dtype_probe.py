@@ -24,7 +24,42 @@ def test_the_probe_names_a_dtype_by_its_measured_speeds_and_says_why(tmp_path):
     assert (verdict.dtype == "bfloat16") == (verdict.bf16_speedup >= MIN_SPEEDUP)
     assert "bf16" in verdict.reason and "fp32" in verdict.reason
     assert (verdict.bf16_hardware or "no bf16 hardware") in verdict.reason
+    assert verdict.train_fp32_gflops > 0 and verdict.train_bf16_gflops > 0
+    assert verdict.train_bf16_speedup == pytest.approx(verdict.train_bf16_gflops / verdict.train_fp32_gflops)
+    assert "at decode products" in verdict.reason and "at training products" in verdict.reason
     assert not verdict.from_cache
+
+
+def test_each_shape_is_timed_on_the_path_that_runs_it_and_the_decode_product_on_the_faster_one(tmp_path, monkeypatch):
+    """The generator runs a decode step through oneDNN's packed weights where it has them (bf16 on a CPU with bf16
+    kernels, fp32 everywhere with oneDNN), the trainer through torch's `linear`: the probe times what each runs."""
+    timed = []
+    speeds = {
+        ("float32", False): 100.0,
+        ("float32", True): 150.0,
+        ("bfloat16", False): 300.0,
+        ("bfloat16", True): 600.0,
+    }
+
+    def fake_gflops(rows, inner, outer, dtype, *, min_seconds=0.02, min_reps=3, packed=False):
+        timed.append(((rows, inner, outer), str(dtype).removeprefix("torch."), packed))
+        return speeds[str(dtype).removeprefix("torch."), packed] * (2 if rows > 64 else 1)
+
+    monkeypatch.setattr(dtype_probe, "matmul_gflops", fake_gflops)
+    monkeypatch.setattr(dtype_probe, "packing_available", lambda dtype: True)
+    verdict = probe_matmul_precision(tmp_path)
+    decode, train = dtype_probe.PROBE_SHAPE, dtype_probe.TRAIN_SHAPE
+    assert sorted(timed) == sorted([
+        (decode, "float32", False), (decode, "float32", True), (decode, "bfloat16", False), (decode, "bfloat16", True),
+        (train, "float32", False), (train, "bfloat16", False),
+    ])  # fmt: skip
+    assert (verdict.fp32_gflops, verdict.bf16_gflops, verdict.bf16_speedup) == (150.0, 600.0, 4.0)
+    assert (verdict.train_fp32_gflops, verdict.train_bf16_gflops, verdict.train_bf16_speedup) == (200.0, 600.0, 3.0)
+    assert verdict.reason.startswith("bf16 4.0x faster than fp32 here at decode products, 3.0x at training products")
+    monkeypatch.setattr(dtype_probe, "packing_available", lambda dtype: False)  # a torch without oneDNN
+    timed.clear()
+    verdict = probe_matmul_precision(tmp_path, refresh=True)
+    assert not any(packed for _, _, packed in timed) and verdict.bf16_speedup == 3.0
 
 
 def test_the_second_call_reads_the_cached_verdict_without_timing_again(tmp_path, monkeypatch):
@@ -77,15 +112,17 @@ def test_the_default_cache_is_the_package_cache_folder(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("speedup", "hardware", "reason"),
+    ("speedup", "train_speedup", "hardware", "reason"),
     [
-        (4.4, "AVX512_BF16", "bf16 4.4x faster than fp32 here (AVX512_BF16)"),
-        (1 / 17, "", "bf16 17.0x slower than fp32 here (no bf16 hardware)"),
-        (1.1, "BF16", "bf16 only 1.10x faster than fp32 here (BF16), under the 1.2x worth its precision"),
+        (4.4, 7.3, "AMX_BF16", "bf16 4.4x faster than fp32 here at decode products, 7.3x at training products (AMX_BF16)"),
+        (1 / 17, 1 / 15, "", "bf16 17.0x slower than fp32 here at decode products, 15.0x slower at training products "
+         "(no bf16 hardware)"),
+        (1.1, 1.3, "BF16", "bf16 only 1.10x faster than fp32 here at decode products, 1.3x at training products (BF16), "
+         "under the 1.2x worth its precision"),
     ],
-)
-def test_the_reason_says_how_much_and_why(speedup, hardware, reason):
-    assert dtype_probe._reason(speedup, hardware) == reason
+)  # fmt: skip
+def test_the_reason_says_how_much_at_each_shape_and_why(speedup, train_speedup, hardware, reason):
+    assert dtype_probe._reason(speedup, hardware, train_speedup) == reason
 
 
 def test_the_generator_dtype_is_the_policys_the_one_named_or_the_probes_verdict(tmp_path, monkeypatch):
