@@ -7,9 +7,15 @@
  * ties to even, as torch rounds). The query heads that share a key/value head are served together, so each cached
  * key and value is read once per step and converted once, in place (no copy of the cache, no mask tensor).
  *
+ * Rows may come in groups whose slots start with the same prefix (the completions of one prompt: the same keys and
+ * values, copied into each slot): a group's prefix is then read once, from its first row's slot, for the queries of
+ * all its rows, and each row reads only its own positions after it. A group under a sliding window that cuts into
+ * the prefix is served row by row.
+ *
  * Layouts (all contiguous): q and out (rows, heads, dim); k_new and v_new (rows, kv_heads, dim); the caches
- * (slots, kv_heads, capacity, dim) with slot r holding row r. `threads` > 1 splits the (row, key/value head) pairs
- * between threads started for the call.
+ * (slots, kv_heads, capacity, dim) with slot r holding row r. Groups: `order` lists the rows group after group,
+ * group g being order[starts[g] .. starts[g + 1]) with a shared prefix of prefix[g] positions (0: none).
+ * `threads` > 1 splits the (group, key/value head) pairs between threads started for the call.
  *
  * Built by native_build.py with the system's C compiler; see decode_attention.py.
  */
@@ -25,11 +31,11 @@
 typedef struct {
     const void *q, *k_new, *v_new;
     void *k_cache, *v_cache, *out;
-    const int64_t *lengths;
-    int64_t rows, heads, kv_heads, dim, capacity, window;
+    const int64_t *lengths, *order, *starts, *prefix;
+    int64_t rows, heads, kv_heads, dim, capacity, window, groups, widest; /* widest: the most rows of a group */
     float scale, softcap;
     int bf16;
-    int64_t first, last; /* the (row, kv head) pairs of this share: [first, last) */
+    int64_t first, last; /* the (group, kv head) pairs of this share: [first, last) */
     int failed;
 } Problem;
 
@@ -161,88 +167,125 @@ static inline void prefetch(const void *src, int64_t index, int64_t count, int b
     for (const char *line = start; line < end; line += 64) _mm_prefetch(line, _MM_HINT_T0);
 }
 
-/* scores[g * n + j] = scale * q_g . key_j for the n keys from `first` (a vector index) on. */
-static void score(const Problem *p, const float *queries, int64_t group, int64_t first, int64_t n, float *keys,
-                  float *scores) {
+/* scores[g * stride + j] = scale * q_g . key_j (capped) for `count` queries and the n keys from `first` (a vector
+   index) on. */
+static void score(const Problem *p, const float *queries, int64_t count, int64_t first, int64_t n, float *keys,
+                  float *scores, int64_t stride) {
     const int64_t dim = p->dim, whole = dim & ~(int64_t)7;
     for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {
-        const int64_t count = n - j0 < BLOCK ? n - j0 : BLOCK;
+        const int64_t block = n - j0 < BLOCK ? n - j0 : BLOCK;
         prefetch(p->k_cache, (first + j0 + 2 * BLOCK) * dim, BLOCK * dim, p->bf16); /* two blocks ahead */
-        for (int64_t i = 0; i < count; ++i) to_float(p->k_cache, (first + j0 + i) * dim, dim, p->bf16, keys + i * dim);
-        for (int64_t g = 0; g < group; ++g) {
+        for (int64_t i = 0; i < block; ++i) to_float(p->k_cache, (first + j0 + i) * dim, dim, p->bf16, keys + i * dim);
+        for (int64_t g = 0; g < count; ++g) {
             const float *q = queries + g * dim;
-            if (count == BLOCK && whole == dim) {
+            float *out = scores + g * stride + j0;
+            if (block == BLOCK && whole == dim) {
                 __m256 acc[BLOCK];
                 for (int i = 0; i < BLOCK; ++i) acc[i] = _mm256_setzero_ps();
                 for (int64_t c = 0; c < dim; c += 8) {
                     __m256 qv = _mm256_loadu_ps(q + c);
                     for (int i = 0; i < BLOCK; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + i * dim + c), acc[i]);
                 }
-                _mm256_storeu_ps(scores + g * n + j0, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(p->scale)));
+                _mm256_storeu_ps(out, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(p->scale)));
             } else {
-                for (int64_t i = 0; i < count; ++i) scores[g * n + j0 + i] = p->scale * dot(q, keys + i * dim, dim);
+                for (int64_t i = 0; i < block; ++i) out[i] = p->scale * dot(q, keys + i * dim, dim);
             }
+            if (p->softcap > 0)
+                for (int64_t i = 0; i < block; ++i) out[i] = p->softcap * tanhf(out[i] / p->softcap);
         }
     }
-    if (p->softcap > 0)
-        for (int64_t s = 0; s < group * n; ++s) scores[s] = p->softcap * tanhf(scores[s] / p->softcap);
 }
 
-/* outs[g * dim + c] = sum_j weights[g * n + j] * value_j[c], for the n values from `first` (a vector index) on. */
-static void weigh(const Problem *p, const float *weights, int64_t group, int64_t first, int64_t n, float *outs) {
+/* outs[g * dim + c] += sum_j weights[g * stride + j] * value_j[c], for `count` queries and the n values from `first`
+   (a vector index) on. */
+static void weigh(const Problem *p, const float *weights, int64_t count, int64_t first, int64_t n, float *outs,
+                  int64_t stride) {
     const int64_t dim = p->dim, whole = dim & ~(int64_t)7;
-    for (int64_t g0 = 0; g0 < group; g0 += HEADS_AT_ONCE) {
-        const int64_t heads = group - g0 < HEADS_AT_ONCE ? group - g0 : HEADS_AT_ONCE;
+    prefetch(p->v_cache, first * dim, n * dim, p->bf16);
+    for (int64_t g0 = 0; g0 < count; g0 += HEADS_AT_ONCE) {
+        const int64_t heads = count - g0 < HEADS_AT_ONCE ? count - g0 : HEADS_AT_ONCE;
         for (int64_t c = 0; c < whole; c += 8) {
             __m256 acc[HEADS_AT_ONCE];
-            for (int h = 0; h < HEADS_AT_ONCE; ++h) acc[h] = _mm256_setzero_ps();
+            for (int64_t h = 0; h < HEADS_AT_ONCE; ++h) acc[h] = h < heads ? _mm256_loadu_ps(outs + (g0 + h) * dim + c) : _mm256_setzero_ps();
             for (int64_t j = 0; j < n; ++j) {
                 __m256 value = load8(p->v_cache, (first + j) * dim + c, p->bf16);
                 for (int64_t h = 0; h < heads; ++h)
-                    acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(weights[(g0 + h) * n + j]), value, acc[h]);
+                    acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(weights[(g0 + h) * stride + j]), value, acc[h]);
             }
             for (int64_t h = 0; h < heads; ++h) _mm256_storeu_ps(outs + (g0 + h) * dim + c, acc[h]);
         }
         for (int64_t c = whole; c < dim; ++c) {
             for (int64_t h = 0; h < heads; ++h) {
                 float sum = 0;
-                for (int64_t j = 0; j < n; ++j) sum += weights[(g0 + h) * n + j] * load1(p->v_cache, (first + j) * dim + c, p->bf16);
-                outs[(g0 + h) * dim + c] = sum;
+                for (int64_t j = 0; j < n; ++j) sum += weights[(g0 + h) * stride + j] * load1(p->v_cache, (first + j) * dim + c, p->bf16);
+                outs[(g0 + h) * dim + c] += sum;
             }
         }
     }
 }
 
-/* scratch: group * dim (queries) + BLOCK * dim (keys) + group * dim (outputs) + group * capacity (scores). */
+/* The first position row `row` attends to (> 0 only under a sliding window). */
+static inline int64_t first_seen(const Problem *p, int64_t row) {
+    const int64_t position = p->lengths[row];
+    return p->window > 0 && position + 1 > p->window ? position + 1 - p->window : 0;
+}
+
+/* One (group, key/value head) pair. scratch: the group's queries and outputs (2 * rows * heads per kv head * dim),
+   BLOCK * dim (keys) and rows * heads per kv head * capacity (scores, a row of `capacity` per query). */
 static void attend(const Problem *p, int64_t pair, float *scratch) {
-    const int64_t row = pair / p->kv_heads, head = pair % p->kv_heads, dim = p->dim;
-    const int64_t group = p->heads / p->kv_heads, position = p->lengths[row];
-    float *queries = scratch, *keys = queries + group * dim, *outs = keys + BLOCK * dim, *scores = outs + group * dim;
-    const int64_t slot = (row * p->kv_heads + head) * p->capacity; /* the slot's first position, in vectors */
-    copy_vector(p->k_new, pair * dim, p->k_cache, (slot + position) * dim, dim, p->bf16);
-    copy_vector(p->v_new, pair * dim, p->v_cache, (slot + position) * dim, dim, p->bf16);
-    const int64_t start = p->window > 0 && position + 1 > p->window ? position + 1 - p->window : 0;
-    const int64_t n = position + 1 - start;
-    const int64_t q_first = (row * p->heads + head * group) * dim;
-    for (int64_t g = 0; g < group; ++g) to_float(p->q, q_first + g * dim, dim, p->bf16, queries + g * dim);
-    score(p, queries, group, slot + start, n, keys, scores);
-    float inverse[group];
-    for (int64_t g = 0; g < group; ++g) inverse[g] = 1.0f / exp_shifted(scores + g * n, n);
-    prefetch(p->v_cache, (slot + start) * dim, n * dim, p->bf16); /* read while the scores' softmax is computed */
-    weigh(p, scores, group, slot + start, n, outs);
-    for (int64_t g = 0; g < group; ++g) {
-        for (int64_t c = 0; c < dim; ++c) {
-            float value = outs[g * dim + c] * inverse[g];
-            if (p->bf16) ((uint16_t *)p->out)[q_first + g * dim + c] = float_to_bf16(value);
-            else ((float *)p->out)[q_first + g * dim + c] = value;
+    const int64_t group = pair / p->kv_heads, head = pair % p->kv_heads, dim = p->dim, cap = p->capacity;
+    const int64_t per_kv = p->heads / p->kv_heads, *rows = p->order + p->starts[group];
+    const int64_t members = p->starts[group + 1] - p->starts[group], queries_n = members * per_kv;
+    float *queries = scratch, *outs = queries + queries_n * dim, *keys = outs + queries_n * dim;
+    float *scores = keys + BLOCK * dim;
+    int64_t shared = p->prefix[group];
+    for (int64_t m = 0; m < members; ++m) {
+        const int64_t row = rows[m], at = (row * p->kv_heads + head) * cap + p->lengths[row], from = row * p->kv_heads + head;
+        copy_vector(p->k_new, from * dim, p->k_cache, at * dim, dim, p->bf16);
+        copy_vector(p->v_new, from * dim, p->v_cache, at * dim, dim, p->bf16);
+        for (int64_t g = 0; g < per_kv; ++g)
+            to_float(p->q, ((row * p->heads) + head * per_kv + g) * dim, dim, p->bf16, queries + (m * per_kv + g) * dim);
+        if (first_seen(p, row) > 0) shared = 0; /* a window cuts into the prefix: row by row */
+    }
+    if (members == 1) shared = 0;
+    const int64_t leader = (rows[0] * p->kv_heads + head) * cap; /* its slot's first position, in vectors */
+    if (shared > 0) score(p, queries, queries_n, leader, shared, keys, scores, cap);
+    for (int64_t m = 0; m < members; ++m) {
+        const int64_t row = rows[m], slot = (row * p->kv_heads + head) * cap, start = shared > 0 ? shared : first_seen(p, row);
+        score(p, queries + m * per_kv * dim, per_kv, slot + start, p->lengths[row] + 1 - start, keys,
+              scores + m * per_kv * cap + (shared > 0 ? shared : 0), cap);
+    }
+    float inverse[queries_n];
+    for (int64_t m = 0; m < members; ++m) {
+        const int64_t row = rows[m], seen = p->lengths[row] + 1 - (shared > 0 ? 0 : first_seen(p, row));
+        for (int64_t g = 0; g < per_kv; ++g) {
+            const int64_t query = m * per_kv + g;
+            inverse[query] = 1.0f / exp_shifted(scores + query * cap, seen);
+        }
+    }
+    memset(outs, 0, (size_t)(queries_n * dim) * 4);
+    if (shared > 0) weigh(p, scores, queries_n, leader, shared, outs, cap);
+    for (int64_t m = 0; m < members; ++m) {
+        const int64_t row = rows[m], slot = (row * p->kv_heads + head) * cap, start = shared > 0 ? shared : first_seen(p, row);
+        weigh(p, scores + m * per_kv * cap + (shared > 0 ? shared : 0), per_kv, slot + start,
+              p->lengths[row] + 1 - start, outs + m * per_kv * dim, cap);
+    }
+    for (int64_t m = 0; m < members; ++m) {
+        for (int64_t g = 0; g < per_kv; ++g) {
+            const int64_t query = m * per_kv + g, at = ((rows[m] * p->heads) + head * per_kv + g) * dim;
+            for (int64_t c = 0; c < dim; ++c) {
+                const float value = outs[query * dim + c] * inverse[query];
+                if (p->bf16) ((uint16_t *)p->out)[at + c] = float_to_bf16(value);
+                else ((float *)p->out)[at + c] = value;
+            }
         }
     }
 }
 
 static void *run(void *argument) {
     Problem *p = (Problem *)argument;
-    const int64_t group = p->heads / p->kv_heads;
-    float *scratch = malloc((size_t)((2 * group + BLOCK) * p->dim + group * p->capacity) * 4);
+    const int64_t queries = p->widest * (p->heads / p->kv_heads);
+    float *scratch = malloc((size_t)(2 * queries * p->dim + BLOCK * p->dim + queries * p->capacity) * 4);
     if (scratch == NULL) {
         p->failed = 1;
         return 0;
@@ -254,11 +297,14 @@ static void *run(void *argument) {
 
 /* Returns 0, or -1 when scratch memory could not be had (nothing is then known to be computed). */
 int decode_attention(const void *q, const void *k_new, const void *v_new, void *k_cache, void *v_cache,
-                     const int64_t *lengths, void *out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                     const int64_t *lengths, const int64_t *order, const int64_t *starts, const int64_t *prefix,
+                     void *out, int64_t rows, int64_t groups, int64_t heads, int64_t kv_heads, int64_t dim,
                      int64_t capacity, int64_t window, float scale, float softcap, int bf16, int threads) {
-    Problem base = {q, k_new, v_new, k_cache, v_cache, out, lengths, rows, heads, kv_heads, dim, capacity, window,
-                    scale, softcap, bf16, 0, 0, 0};
-    const int64_t pairs = rows * kv_heads;
+    int64_t widest = 1;
+    for (int64_t g = 0; g < groups; ++g) widest = starts[g + 1] - starts[g] > widest ? starts[g + 1] - starts[g] : widest;
+    Problem base = {q, k_new, v_new, k_cache, v_cache, out, lengths, order, starts, prefix, rows, heads, kv_heads,
+                    dim, capacity, window, groups, widest, scale, softcap, bf16, 0, 0, 0};
+    const int64_t pairs = groups * kv_heads;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > pairs) threads = (int)pairs;
     if (threads < 1) threads = 1;

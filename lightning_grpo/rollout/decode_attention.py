@@ -5,7 +5,8 @@ positions (the last `window` of them in a sliding-window layer), softcapped wher
 would run this as several operations per layer: an indexed write into the cache, a batched product that copies the
 slot's keys and values first, a mask, a softmax and a second product, each over bf16 values rounded between steps.
 The kernel reads every cached key and value once, in place, for all the query heads that share it, computes in
-float32, and rounds the output once.
+float32, and rounds the output once. Rows whose slots start with the same prompt (`RowGroups`: the completions of
+a GRPO group) read that prompt's keys and values once for all of them.
 
 It needs an x86-64 CPU with AVX2 and FMA and a C compiler (`native_build`); `available()` says whether it runs here
 and `unavailable_reason()` why not (`LIGHTNING_GRPO_DECODE_ATTENTION=0` turns it off). The decoder then runs torch's
@@ -19,6 +20,7 @@ import functools
 import logging
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +37,51 @@ DTYPES = (torch.float32, torch.bfloat16)
 PAIRS_PER_THREAD = 16
 
 _SOURCE = Path(__file__).with_name("decode_attention.c")
+
+
+@dataclass(frozen=True)
+class RowGroups:
+    """The rows of a step in groups whose slots start with the same prefix: `order` lists the rows group after
+    group, group `g` being `order[starts[g]:starts[g + 1]]`, whose first `prefix[g]` positions hold the same keys and
+    values in every member's slot (0: nothing shared). All int64. Make it with `row_groups` or `single_rows`, which
+    check what the kernel relies on."""
+
+    order: torch.Tensor
+    starts: torch.Tensor
+    prefix: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return self.prefix.numel()
+
+
+def row_groups(prefix_ids: torch.Tensor, prefix_lengths: torch.Tensor, lengths: torch.Tensor) -> RowGroups:
+    """Group the rows by `prefix_ids` (rows, int64): rows with the same id > 0 share their slots' first
+    `prefix_lengths` positions (the same for all of them); an id of 0 is a row alone.
+
+    Raises:
+        ValueError: rows of one id with different prefix lengths, or a prefix longer than a member's `lengths`.
+    """
+    rows = prefix_ids.numel()
+    order = torch.argsort(prefix_ids, stable=True)
+    ids, shared = prefix_ids[order], torch.where(prefix_ids > 0, prefix_lengths, 0)[order]
+    new = torch.ones(rows, dtype=torch.bool)
+    new[1:] = (ids[1:] != ids[:-1]) | (ids[1:] == 0)
+    firsts = new.nonzero().squeeze(1)
+    starts = torch.cat([firsts, torch.tensor([rows])])
+    prefix = shared[firsts]
+    if bool((shared != prefix.repeat_interleave(starts.diff())).any() or (shared > lengths[order]).any()):
+        raise ValueError(
+            f"row_groups: rows of one prefix id with different prefix lengths, or a prefix longer than a row's "
+            f"filled positions (ids {prefix_ids.tolist()}, prefix lengths {prefix_lengths.tolist()}, lengths "
+            f"{lengths.tolist()})."
+        )
+    return RowGroups(order, starts, prefix)
+
+
+def single_rows(rows: int) -> RowGroups:
+    """Every row alone: nothing shared."""
+    return RowGroups(torch.arange(rows), torch.arange(rows + 1), torch.zeros(rows, dtype=torch.long))
 
 
 def available() -> bool:
@@ -58,6 +105,7 @@ def attend(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    groups: RowGroups | None = None,
 ) -> torch.Tensor:
     """Append each row's key and value to its slot and attend; the attention output, shaped like `q`.
 
@@ -70,6 +118,7 @@ def attend(
         scale: the scores' factor (the model's `attention.scaling`).
         window: a sliding-window layer's window: position `p` sees keys `j` with `p - j < window`.
         softcap: scores capped as `softcap * tanh(scores / softcap)`.
+        groups: rows whose slots start with the same keys and values (`row_groups`); default: every row alone.
 
     Raises:
         RuntimeError: the kernel is not available here (with the reason), or it could not get scratch memory.
@@ -78,23 +127,24 @@ def attend(
     kernel, reason = _load()
     if kernel is None:
         raise RuntimeError(f"decode_attention.attend cannot run here: {reason}")
-    _check(q, k, v, key_cache, value_cache, lengths)
+    groups = single_rows(q.shape[0]) if groups is None else groups
+    _check(q, k, v, key_cache, value_cache, lengths, groups)
     rows, heads, dim = q.shape
     kv_heads, capacity = key_cache.shape[1], key_cache.shape[2]
     q, k, v, lengths = q.contiguous(), k.contiguous(), v.contiguous(), lengths.contiguous()
     out = torch.empty_like(q)
-    threads = max(1, min(torch.get_num_threads(), rows * kv_heads // PAIRS_PER_THREAD))
-    pointers = [t.data_ptr() for t in (q, k, v, key_cache, value_cache, lengths, out)]
+    threads = max(1, min(torch.get_num_threads(), groups.count * kv_heads // PAIRS_PER_THREAD))
+    tensors = (q, k, v, key_cache, value_cache, lengths, groups.order, groups.starts, groups.prefix, out)
     code = kernel(
-        *pointers, rows, heads, kv_heads, dim, capacity, window or 0, scale, softcap or 0.0,
-        int(q.dtype == torch.bfloat16), threads,
+        *[t.data_ptr() for t in tensors], rows, groups.count, heads, kv_heads, dim, capacity, window or 0, scale,
+        softcap or 0.0, int(q.dtype == torch.bfloat16), threads,
     )  # fmt: skip
     if code != 0:
         raise RuntimeError("decode_attention.attend could not allocate its scratch memory.")
     return out
 
 
-def _check(q, k, v, key_cache, value_cache, lengths) -> None:
+def _check(q, k, v, key_cache, value_cache, lengths, groups: RowGroups) -> None:
     rows, heads, dim = q.shape
     problems = []
     if q.dtype not in DTYPES or len({t.dtype for t in (q, k, v, key_cache, value_cache)}) != 1:
@@ -109,6 +159,8 @@ def _check(q, k, v, key_cache, value_cache, lengths) -> None:
         problems.append(f"lengths {lengths.dtype} {tuple(lengths.shape)} (int64, one per row)")
     elif rows and not problems and int(lengths.max()) >= key_cache.shape[2]:
         problems.append(f"a slot is full: position {int(lengths.max())} of capacity {key_cache.shape[2]}")
+    if groups.order.numel() != rows:
+        problems.append(f"groups of {groups.order.numel()} rows for {rows} rows")
     if problems:
         raise ValueError(f"decode_attention.attend got {'; '.join(problems)}. Use the decoder's torch path.")
 
@@ -127,6 +179,6 @@ def _load() -> tuple[Callable[..., int] | None, str | None]:
         log.warning("The embedded generator's attention kernel is off (%s); torch's operations run instead.", reason)
         return None, reason
     function = library.decode_attention
-    function.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2
+    function.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2
     function.restype = ctypes.c_int
     return function, None

@@ -24,6 +24,7 @@ are computed without SDPA, which has no cap.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 # Cache slots and positions grow in these steps: each growth copies the whole cache once.
 _SLOT_STEP = 8
 _POSITION_STEP = 64
+# Serial numbers of the prefixes a decoder computes (0 is a slot holding none): rows loaded from the same one share
+# their slots' first positions, which the attention kernel reads once for all of them.
+_PREFIX_SERIALS = itertools.count(1)
 # The smallest LM head worth packing (a vocabulary of thousands of tokens; smaller layers run slower packed, measured
 # on fp32 CPUs).
 _PACK_MIN_NUMEL = 1 << 22
@@ -214,6 +218,7 @@ class Prefix:
     values: tuple[torch.Tensor, ...]
     logits: torch.Tensor  # (vocab,) raw logits of the first completion token
     length: int
+    serial: int = 0  # unique per prefix a decoder computed (0: none given)
 
 
 def check_supported(model: PreTrainedModel | dict) -> None:
@@ -269,6 +274,10 @@ class SlotDecoder:
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self.lengths = torch.zeros(0, dtype=torch.long)
+        # per slot: the serial of the prefix it was loaded with, and that prefix's length (see `Prefix.serial`)
+        self._prefix_serials = torch.zeros(0, dtype=torch.long)
+        self._prefix_lengths = torch.zeros(0, dtype=torch.long)
+        self._groups: decode_attention.RowGroups | None = None
 
     def repack(self) -> None:
         """Re-pack the packed weights after they were changed in place (a weight sync)."""
@@ -303,6 +312,8 @@ class SlotDecoder:
                 else:
                     cache.append(grown)
         self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(slots - old_slots)])
+        self._prefix_serials = torch.cat([self._prefix_serials, self.lengths.new_zeros(slots - old_slots)])
+        self._prefix_lengths = torch.cat([self._prefix_lengths, self.lengths.new_zeros(slots - old_slots)])
 
     def _empty_cache(self, slots: int, capacity: int, positions_last: bool) -> torch.Tensor:
         """A layer's zeroed key or value cache, (slots, kv_heads, capacity, head_dim); keys are that shape's
@@ -322,6 +333,7 @@ class SlotDecoder:
             self._keys[layer][index, :, : prefix.length] = prefix.keys[layer]
             self._values[layer][index, :, : prefix.length] = prefix.values[layer]
         self.lengths[index] = prefix.length
+        self._prefix_serials[index], self._prefix_lengths[index] = prefix.serial, prefix.length
 
     @torch.inference_mode()
     def move(self, source: int, target: int) -> None:
@@ -331,6 +343,8 @@ class SlotDecoder:
             for layer_cache in cache:
                 layer_cache[target, :, :length] = layer_cache[source, :, :length]
         self.lengths[target] = length
+        self._prefix_serials[target] = self._prefix_serials[source]
+        self._prefix_lengths[target] = self._prefix_lengths[source]
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, prompts: list[list[int]]) -> tuple[torch.Tensor, list[Prefix]]:
@@ -359,6 +373,10 @@ class SlotDecoder:
         rotations = self._rotations(hidden, positions)
         windows = {layer.window for layer in self._layers}
         masks = {window: None if self._attention_kernel else self._row_mask(lengths, window) for window in windows}
+        if self._attention_kernel:  # once a step: which rows share their slots' prompt
+            self._groups = decode_attention.row_groups(
+                self._prefix_serials[:rows], self._prefix_lengths[:rows], lengths
+            )
         prompt_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
         for index, layer in enumerate(self._layers):
             cos, sin = rotations[layer.rotary_type]
@@ -375,6 +393,7 @@ class SlotDecoder:
                 values=tuple(v for _, v in layers),
                 logits=logits[rows + i].clone(),  # the rows before it are sampled from in place
                 length=len(prompts[i]),
+                serial=next(_PREFIX_SERIALS),
             )
             for i, layers in enumerate(prompt_kv)
         ]
@@ -467,8 +486,9 @@ class SlotDecoder:
         if self._attention_kernel:
             keys, values, lengths = self._keys[index], self._values[index], self.lengths[: q.shape[0]]
             return decode_attention.attend(
-                q, k, v, keys, values, lengths, scale=self._scale, window=layer.window, softcap=layer.softcap
-            )
+                q, k, v, keys, values, lengths, scale=self._scale, window=layer.window, softcap=layer.softcap,
+                groups=self._groups,
+            )  # fmt: skip
         softcap = layer.softcap
         rows, width = q.shape[0], mask.shape[-1]
         slot, position = torch.arange(rows), self.lengths[:rows]

@@ -125,3 +125,48 @@ def test_switched_off_or_unbuildable_the_decoder_runs_torchs_attention(fresh_ker
     assert not decode_attention.available() and "exited 1" in decode_attention.unavailable_reason()
     assert "attention kernel is off" in caplog.text
     assert not SlotDecoder(model)._attention_kernel
+
+
+def test_rows_group_by_their_prefix_id_and_a_row_without_one_stays_alone():
+    ids, prefix_lengths = torch.tensor([0, 5, 5, 0, 7, 5]), torch.tensor([3, 4, 4, 9, 2, 4])
+    groups = decode_attention.row_groups(ids, prefix_lengths, torch.tensor([3, 6, 4, 9, 2, 10]))
+    members = [groups.order[a:b].tolist() for a, b in zip(groups.starts[:-1], groups.starts[1:], strict=True)]
+    assert members == [[0], [3], [1, 2, 5], [4]] and groups.prefix.tolist() == [0, 0, 4, 2]
+    with pytest.raises(ValueError, match="different prefix lengths, or a prefix longer"):
+        decode_attention.row_groups(ids, torch.tensor([3, 4, 5, 9, 2, 4]), torch.tensor([3, 6, 6, 9, 2, 10]))
+    with pytest.raises(ValueError, match="a prefix longer than a row's filled positions"):
+        decode_attention.row_groups(ids, prefix_lengths, torch.tensor([3, 6, 3, 9, 2, 10]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("window", "threads"), [(None, 1), (None, 2), (12, 1)], ids=["all", "two_threads", "window"])
+def test_a_group_reads_its_shared_prefix_once_from_its_first_rows_slot(dtype, window, threads):
+    """Rows 0, 2, 3 and 5 were loaded with one prefix of 10 positions, 1 and 4 with another of 6, and then decoded on
+    (different lengths). The group's prefix is read from its first row's slot only: the other members' copies are
+    overwritten with NaN and the result is still float64 attention over the intact copies. Under a window of 12 that
+    cuts into the prefix of the longer rows, each row reads its own slot (its copies then stay intact)."""
+    rows, heads, kv_heads, dim = 6, 6, 2, 24
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(rows, heads, dim, generator=generator).to(dtype)
+    k, v = (torch.randn(rows, kv_heads, dim, generator=generator).to(dtype) for _ in range(2))
+    keys, values = (torch.randn(rows, kv_heads, 40, dim, generator=generator).to(dtype) for _ in range(2))
+    serials, prefix_lengths = torch.tensor([3, 8, 3, 3, 8, 3]), torch.tensor([10, 6, 10, 10, 6, 10])
+    for cache in (keys, values):
+        cache[[2, 3, 5], :, :10] = cache[0, :, :10]
+        cache[4, :, :6] = cache[1, :, :6]
+    lengths = torch.tensor([10, 6, 17, 25, 9, 11])
+    expected, *_ = reference(q, k, v, keys, values, lengths, 0.2, window)
+    if window is None:
+        for cache in (keys, values):
+            cache[[2, 3, 5], :, :10] = float("nan")
+            cache[4, :, :6] = float("nan")
+    groups = decode_attention.row_groups(serials, prefix_lengths, lengths)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = decode_attention.attend(q, k, v, keys, values, lengths, scale=0.2, window=window, groups=groups)
+    finally:
+        torch.set_num_threads(previous)
+    tolerance = 2**-7 if dtype == torch.bfloat16 else 2e-6
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
