@@ -354,9 +354,9 @@ def report(args: argparse.Namespace, rows: list[dict[str, float]], counters: dic
     expected = expected_faults(args, epochs)
     faults = {name: {"expected": count, "counted": counters.get(name)} for name, count in expected.items()}
     return {
-        "machine": f"soak: commit {common.git_commit()}, {common.machine()}",
+        "machine": f"soak: commit {args.commit}, {common.machine()}",  # the code the run started with
         "load_average": {"start": args.load_start, "end": os.getloadavg()},
-        "options": {k: v for k, v in vars(args).items() if k != "load_start"} | {"out": str(args.out)},
+        "options": {k: v for k, v in vars(args).items() if k not in ("load_start", "commit")} | {"out": str(args.out)},
         "steps": max((row["step"] for row in rows), default=0),
         "samples": rows,
         "verdicts": verdicts,
@@ -453,7 +453,7 @@ def main() -> None:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1.")
     args.out.mkdir(parents=True, exist_ok=True)
-    args.load_start = os.getloadavg()
+    args.load_start, args.commit = os.getloadavg(), common.git_commit()
     rows, counters, epochs, allocations = fit(args)
     result = report(args, rows, counters, epochs) | {"allocations": allocations}
     (args.out / "soak.json").write_text(json.dumps(result, indent=1))

@@ -27,6 +27,8 @@ RESULTS = ROOT / "docs" / "results"
 MAIN_JOB = "main_job.json"
 RACE = "race-staleness/learning_race.json"
 ROOFLINE = "roofline.json"
+#: One roofline per CPU kind measured (each names its machine): Intel Xeon with AMX, AMD EPYC with AVX-512 BF16.
+ROOFLINES = ("roofline-amx.json", ROOFLINE)
 SCALING = "scaling.json"
 GENERIC = "generic_generation.json"
 #: A marker pair and what it holds; the opening marker's argument is the view and its optional file.
@@ -396,8 +398,8 @@ def scaling_headline(scaling: dict[str, Any]) -> str:
 
 
 def headline(_: Any) -> str:
-    """The main job, the race, the roofline and scaling in one table, each with its machine."""
-    job, race, roofline, scaling = load(MAIN_JOB), load(RACE), load(ROOFLINE), load(SCALING)
+    """The main job, the race, the roofline on each CPU kind and scaling in one table, each with its machine."""
+    job, race, scaling = load(MAIN_JOB), load(RACE), load(SCALING)
     rows = [
         [
             f"the main job: SmolLM2-135M-Instruct, {job['held_out_problems']} held-out arithmetic problems",
@@ -409,11 +411,14 @@ def headline(_: Any) -> str:
             f"{race_sentence(race)}; {race_steps(race)}",
             short_machine(race),
         ],
-        [
-            "roofline: each stage over a peak measured in the same run",
-            roofline_headline(roofline),
-            short_machine(roofline),
-        ],
+        *(
+            [
+                "roofline: each stage over a peak measured in the same run",
+                roofline_headline(roofline),
+                short_machine(roofline),
+            ]
+            for roofline in map(load, ROOFLINES)
+        ),
         ["scaling: the largest policy the machine trains", scaling_headline(scaling), short_machine(scaling)],
     ]
     return _table(["what", "result", "machine (no GPU)"], rows)
