@@ -503,6 +503,8 @@ PARTS = ("generator", "train", "push", "reward", "async")
 
 def run(args: argparse.Namespace) -> dict:
     """Measure every part of `args.parts` and return the report (also printed and written to `args.out`)."""
+    # the code and machine the run starts with (a commit made while it runs is not what it measured)
+    provenance = common.provenance("python benchmarks/roofline.py " + " ".join(sys.argv[1:]))
     torch.set_num_threads(args.threads)
     model_name = common.MODELS[args.model]
     header = machine_line(model_name, args.threads)
@@ -529,7 +531,7 @@ def run(args: argparse.Namespace) -> dict:
             rows += async_step_rows(args.model, args, Path(tmp))
     print_table(rows)
     report = {
-        "provenance": common.provenance("python benchmarks/roofline.py " + " ".join(sys.argv[1:])),
+        "provenance": provenance,
         "machine": header,
         "precision_probe": verdict.reason,
         "model": model_name,

@@ -207,7 +207,9 @@ def _measure(signature: dict[str, str], key: str) -> PrecisionVerdict:
     torch.set_num_threads(1)
     try:
         fp32, bf16 = (_decode_gflops(dtype) for dtype in (torch.float32, torch.bfloat16))
-        train_fp32, train_bf16 = (matmul_gflops(*TRAIN_SHAPE, dtype) for dtype in (torch.float32, torch.bfloat16))
+        train_fp32, train_bf16 = (
+            matmul_gflops(*TRAIN_SHAPE, dtype, min_seconds=0.1, min_reps=5) for dtype in (torch.float32, torch.bfloat16)
+        )
     finally:
         torch.set_num_threads(threads)
     flags = set(signature["flags"].split())
