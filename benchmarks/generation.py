@@ -54,8 +54,7 @@ from static_batcher import StaticBatcher  # noqa: E402  (benchmarks/static_batch
 
 from lightning_grpo.data.arithmetic import arithmetic_dataset  # noqa: E402
 from lightning_grpo.models import load_policy, load_tokenizer  # noqa: E402
-from lightning_grpo.models.dtype_probe import matmul_gflops, resolve_generator_dtype  # noqa: E402
-from lightning_grpo.models.packed_matmul import packing_available  # noqa: E402
+from lightning_grpo.models.dtype_probe import best_matmul_gflops, resolve_generator_dtype  # noqa: E402
 from lightning_grpo.rollout.generator import EmbeddedGenerator  # noqa: E402
 from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer  # noqa: E402
 
@@ -282,9 +281,7 @@ def peak_gflops(model: torch.nn.Module, dtype: torch.dtype, rows: int) -> float:
     """The best matmul GFLOP/s in `dtype` at `rows` rows through the model's MLP (its up projection's shape), on the
     faster of torch's `linear` and oneDNN's packed weight, on this process's threads."""
     config = model.config
-    shape = (rows, config.hidden_size, config.intermediate_size)
-    plain = matmul_gflops(*shape, dtype, min_seconds=0.1)
-    return max(plain, matmul_gflops(*shape, dtype, min_seconds=0.1, packed=True)) if packing_available(dtype) else plain
+    return best_matmul_gflops(rows, config.hidden_size, config.intermediate_size, dtype, min_seconds=0.1)
 
 
 def print_roofline(model_name: str, model: torch.nn.Module, rates: dict[str, float]) -> None:

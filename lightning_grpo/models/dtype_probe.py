@@ -45,6 +45,7 @@ from .smollm2 import default_cache_dir
 __all__ = [
     "GENERATOR_DTYPES",
     "PrecisionVerdict",
+    "best_matmul_gflops",
     "cpu_signature",
     "matmul_gflops",
     "probe_matmul_precision",
@@ -206,7 +207,7 @@ def _measure(signature: dict[str, str], key: str) -> PrecisionVerdict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        fp32, bf16 = (_decode_gflops(dtype) for dtype in (torch.float32, torch.bfloat16))
+        fp32, bf16 = (best_matmul_gflops(*PROBE_SHAPE, dtype) for dtype in (torch.float32, torch.bfloat16))
         train_fp32, train_bf16 = (
             matmul_gflops(*TRAIN_SHAPE, dtype, min_seconds=0.1, min_reps=5) for dtype in (torch.float32, torch.bfloat16)
         )
@@ -220,12 +221,13 @@ def _measure(signature: dict[str, str], key: str) -> PrecisionVerdict:
     return PrecisionVerdict(dtype, speedup, fp32, bf16, hardware, reason, key, False, train_fp32, train_bf16)
 
 
-def _decode_gflops(dtype: torch.dtype) -> float:
-    """The decode product's speed in `dtype` on its faster path: torch's `linear`, or oneDNN on a packed weight."""
-    plain = matmul_gflops(*PROBE_SHAPE, dtype, min_seconds=0.05)
+def best_matmul_gflops(rows: int, inner: int, outer: int, dtype: torch.dtype, *, min_seconds: float = 0.05) -> float:
+    """`matmul_gflops` on the faster of torch's `linear` and oneDNN on a packed weight (where torch has it for
+    `dtype`): the speed the embedded generator can reach at that shape."""
+    plain = matmul_gflops(rows, inner, outer, dtype, min_seconds=min_seconds)
     if not packing_available(dtype):
         return plain
-    return max(plain, matmul_gflops(*PROBE_SHAPE, dtype, min_seconds=0.05, packed=True))
+    return max(plain, matmul_gflops(rows, inner, outer, dtype, min_seconds=min_seconds, packed=True))
 
 
 def _reason(speedup: float, hardware: str, train_speedup: float) -> str:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +24,6 @@ from pathlib import Path
 import torch
 
 from . import native_build
-
-log = logging.getLogger(__name__)
 
 #: Set to "0" to run torch's operations instead.
 ENV_SWITCH = "LIGHTNING_GRPO_DECODE_ATTENTION"
@@ -168,17 +164,12 @@ def _check(q, k, v, key_cache, value_cache, lengths, groups: RowGroups) -> None:
 @functools.cache
 def _load() -> tuple[Callable[..., int] | None, str | None]:
     """(the kernel's function, None), or (None, why not); the reason is logged once."""
-    reason = native_build.refusal(ENV_SWITCH)
-    if reason is not None:
-        log.info("The embedded generator's attention kernel is off (%s); torch's operations run instead.", reason)
-        return None, reason
-    try:
-        library = native_build.load(_SOURCE)
-    except (OSError, subprocess.SubprocessError) as error:
-        reason = f"building or loading {_SOURCE.name} failed: {error}"
-        log.warning("The embedded generator's attention kernel is off (%s); torch's operations run instead.", reason)
-        return None, reason
-    function = library.decode_attention
-    function.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2
-    function.restype = ctypes.c_int
-    return function, None
+    argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2
+    return native_build.load_function(
+        _SOURCE,
+        "decode_attention",
+        argtypes,
+        switch=ENV_SWITCH,
+        kernel="attention kernel",
+        fallback="torch's operations",
+    )

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 #: The compiler flags of every kernel.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread")
@@ -35,6 +40,27 @@ def refusal(switch: str) -> str | None:
     if compiler() is None:
         return "no C compiler found: set $CC or install gcc"
     return None
+
+
+def load_function(
+    source: Path, name: str, argtypes: list[Any], *, switch: str, kernel: str, fallback: str
+) -> tuple[Callable[..., int] | None, str | None]:
+    """(the function `name` of `source`'s library, typed with `argtypes` and an int result, None), or (None, why it
+    cannot run here). The reason is logged, naming `kernel` ("small-batch kernel") and what runs instead
+    (`fallback`); callers cache the answer, so it is logged once."""
+    reason = refusal(switch)
+    if reason is None:
+        try:
+            function = getattr(load(source), name)
+        except (OSError, subprocess.SubprocessError) as error:
+            reason = f"building or loading {source.name} failed: {error}"
+            log.warning("The embedded generator's %s is off (%s); %s run instead.", kernel, reason, fallback)
+            return None, reason
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int
+        return function, None
+    log.info("The embedded generator's %s is off (%s); %s run instead.", kernel, reason, fallback)
+    return None, reason
 
 
 def load(source: Path) -> ctypes.CDLL:

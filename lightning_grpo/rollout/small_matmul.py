@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from . import native_build
-
-log = logging.getLogger(__name__)
 
 #: Most rows of `x` the kernel is used for; a longer batch (a prefill) is torch's.
 MAX_ROWS = 64
@@ -89,18 +85,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @functools.cache
 def _load() -> tuple[Callable[..., int] | None, str | None]:
-    """(the kernel's function, None), or (None, why not); the reason is logged once."""
-    reason = native_build.refusal(ENV_SWITCH)
-    if reason is not None:
-        log.info("The embedded generator's small-batch kernel is off (%s); torch's linear layers run instead.", reason)
-        return None, reason
-    try:
-        library = native_build.load(_SOURCE)
-    except (OSError, subprocess.SubprocessError) as error:
-        reason = f"building or loading {_SOURCE.name} failed: {error}"
-        log.warning("The embedded generator's small-batch kernel is off (%s); torch's linear layers run.", reason)
-        return None, reason
-    function = library.small_matmul
-    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    function.restype = ctypes.c_int  # threads that could not be started (their share ran on the calling thread)
-    return function, None
+    """(the kernel's function, None), or (None, why not); the reason is logged once. The function returns the
+    number of threads that could not be started (their share ran on the calling thread)."""
+    argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    return native_build.load_function(
+        _SOURCE,
+        "small_matmul",
+        argtypes,
+        switch=ENV_SWITCH,
+        kernel="small-batch kernel",
+        fallback="torch's linear layers",
+    )

@@ -4,6 +4,7 @@ sliding windows, softcaps and threads; the cache writes; the inputs it refuses; 
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import shutil
 
@@ -19,6 +20,21 @@ x86_with_avx2 = platform.machine().lower() in {"x86_64", "amd64"} and torch.back
     "AVX2",
     "AVX512",
 }
+
+
+#: How close the kernel's output is to float64 attention: half a bf16 ulp of values below 4; float32's sums.
+TOLERANCE = {torch.bfloat16: 2**-7, torch.float32: 2e-6}
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """torch's thread count (which the kernel splits its work by) set to `threads`, and restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.fixture
@@ -72,15 +88,10 @@ def test_the_kernel_is_float64_attention_within_the_outputs_rounding_and_writes_
     lengths = torch.randint(0, 40, (rows,), generator=generator)
     lengths[0], lengths[-1] = 0, 39  # a first token and a full slot's last position
     expected, expected_keys, expected_values = reference(q, k, v, keys, values, lengths, 0.3, window, softcap)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = decode_attention.attend(q, k, v, keys, values, lengths, scale=0.3, window=window, softcap=softcap)
-    finally:
-        torch.set_num_threads(previous)
     assert out.shape == q.shape and out.dtype == dtype
-    tolerance = 2**-7 if dtype == torch.bfloat16 else 2e-6  # half a bf16 ulp of values below 4; float32 sums
-    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)  # written in place, only there
 
 
@@ -162,11 +173,6 @@ def test_a_group_reads_its_shared_prefix_once_from_its_first_rows_slot(dtype, wi
             cache[[2, 3, 5], :, :10] = float("nan")
             cache[4, :, :6] = float("nan")
     groups = decode_attention.row_groups(serials, prefix_lengths, lengths)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = decode_attention.attend(q, k, v, keys, values, lengths, scale=0.2, window=window, groups=groups)
-    finally:
-        torch.set_num_threads(previous)
-    tolerance = 2**-7 if dtype == torch.bfloat16 else 2e-6
-    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
