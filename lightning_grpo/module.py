@@ -22,6 +22,7 @@ from .scoring.step import ScoredStep, score_module_step
 from .scoring.trainer_scorer import resolve_scorer
 from .training.checkpoint import load_module_state, save_module_state
 from .training.checkpoint_io import use_atomic_checkpoints
+from .training.compilation import compile_policy
 from .training.lightning_flags import apply_lightning_flags
 from .training.loss import LossContext, LossStats, micro_batch_loss
 from .training.loss_options import ImportanceSamplingLevel, ImportanceSamplingMode, LossType
@@ -91,6 +92,9 @@ class GRPOModule(pl.LightningModule):
         peft_config: a `peft.LoraConfig` to train LoRA adapters instead of the whole policy, checked here against the
             policy's modules. A `peft.PeftModel` passed as `model` keeps its adapters (and its active config).
         gradient_checkpointing: recompute each decoder layer's activations in the backward (less memory, more time).
+        torch_compile: compile each decoder layer for training (`training.compilation`); TRL's name and default.
+        torch_compile_backend: its `torch.compile` backend, None: `"inductor"`; setting it turns compilation on.
+        torch_compile_mode: its `torch.compile` mode, None: the backend's; setting it turns compilation on.
         packing: "tree" (one forward over the packed trie, exact where every layer is attention), "padded" or "auto".
         router_aux_loss_coef: an MoE model's load-balancing loss weight (as GRPOTrainer); None: its config's own.
         val_max_tokens: tokens per validation turn; default the data module's `max_completion_length`.
@@ -166,6 +170,9 @@ class GRPOModule(pl.LightningModule):
         val_max_tokens: int | None = None,
         peft_config: LoraConfig | None = None,
         gradient_checkpointing: bool = False,
+        torch_compile: bool = False,
+        torch_compile_backend: str | None = None,
+        torch_compile_mode: str | None = None,
         packing: Literal["auto", "tree", "padded"] = "auto",
         router_aux_loss_coef: float | None = None,
         num_generations_eval: int = 1,
@@ -237,7 +244,7 @@ class GRPOModule(pl.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """Load the policy (by name), add LoRA adapters, build the reference (`beta > 0`), shard both (FSDP2)."""
+        """Load the policy (by name), add LoRA, build the reference (`beta > 0`), shard (FSDP2), compile layers."""
         hp = self.hparams
         policy = prepare_policy(self.policy, self.model_name, hp.dtype, self.peft_config, hp.gradient_checkpointing)
         self.policy, fresh_adapters = policy
@@ -247,6 +254,7 @@ class GRPOModule(pl.LightningModule):
         self.reference = prepare_reference(self.reference, self.policy, beta, fresh_adapters, self.peft_config)
         if (trainer := _trainer_of(self)) is not None:
             shard_models(trainer.strategy, self.policy, self.reference)
+        compile_policy(self.policy, self.options.compile)  # after sharding, so each compiled layer is its shard
         for scorer in self.scorers:
             if isinstance(scorer, torch.nn.Module):
                 scorer.to(self.device)

@@ -3,6 +3,7 @@ log-probabilities under the sampler's truncation, the reference model, several u
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -168,6 +169,28 @@ def test_the_fused_adamw_steps_on_gradients_clipped_to_max_grad_norm(precision):
     fit_replay(module, replay_steps(2), precision=precision, callbacks=[norms])
     assert module.optimizers().optimizer.defaults["fused"]
     assert norms.norms == pytest.approx([1e-3, 1e-3], rel=1e-3)
+
+
+def test_under_bf16_autocast_each_of_num_iterations_updates_forwards_the_weights_it_updated():
+    """Lightning runs the whole `training_step` (every update of `num_iterations`) in one autocast region: were the
+    weights' bf16 copies cached for the region (torch's default; Lightning's plugin turns it off), the later updates
+    would forward the first one's weights."""
+    seen: list[bool] = []
+
+    def check_fresh(head: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        if head.training and torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cpu", enabled=False):
+                fresh = torch.nn.functional.linear(inputs[0].to(torch.bfloat16), head.weight.to(torch.bfloat16))
+            seen.append(torch.equal(output, fresh))
+
+    class HookHead(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            pl_module.policy.lm_head.register_forward_hook(check_fresh)
+
+    module = GRPOModule("tiny-random", learning_rate=1e-2, num_iterations=2)
+    fit_replay(module, replay_steps(2), precision="bf16-mixed", callbacks=[HookHead()])
+    assert module.trainer.global_step == 4
+    assert len(seen) == 4 and all(seen), seen  # two updates of two planned steps, each on the current weights
 
 
 def test_num_iterations_stops_at_max_steps():

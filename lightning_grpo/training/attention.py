@@ -18,6 +18,10 @@ Two implementations sit behind one attention function:
 A logit softcap (gemma2) and attention sinks (gpt_oss) run on the first, by explicit products (the kernels above
 take neither a sink; SDPA takes no softcap), on any device.
 
+Under `torch.compile` (`GRPOModule(torch_compile=True)` compiles each decoder layer) the attention function runs
+eagerly between the compiled parts: its plan's shapes (how many segment batches, how many segments each) change from
+row to row, and compiling them would compile again for each new layout.
+
 `register_tree_attention()` registers the function with transformers under `"tree"` and under TRL's name
 `"tree_fa3"`, so a model loaded by TRL's trainer also runs on CPU. A model switched to it (`use_tree_attention`)
 must be called with the `tree_*` keyword arguments (`tree_model_kwargs`); it has no padded-batch mode.
@@ -255,6 +259,7 @@ def _segment_batch(
     return batch, query_valid
 
 
+@torch.compiler.disable  # compiled layers call it eagerly (see the module docstring)
 def tree_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

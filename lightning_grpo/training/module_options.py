@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..options import from_flat
+from .compilation import CompileOptions
 from .loss_options import LossOptions, ReferenceSync, module_loss_options
 from .packing_choice import PackingMode
 
@@ -39,6 +40,7 @@ class ModuleOptions:
     dtype: Literal["float32", "bfloat16"]  #: the policy's dtype when loaded by name
     packing: PackingMode  #: the forward: "tree", "padded", or "auto" (tree where it is exact)
     router_aux_loss_coef: float | None  #: the MoE load-balancing loss's weight; None: the model config's
+    compile: CompileOptions  #: whether and how the policy's decoder layers are compiled for training
 
     @classmethod
     def from_hparams(cls, hparams: Mapping[str, Any], *, lora: bool) -> ModuleOptions:
@@ -46,7 +48,8 @@ class ModuleOptions:
 
         Raises:
             ValueError: an invalid loss option or combination, or `sync_ref_model` with LoRA (see
-                `module_loss_options`); a `packing` other than 'auto', 'tree' or 'padded'.
+                `module_loss_options`); a `packing` other than 'auto', 'tree' or 'padded'; an unknown
+                `torch_compile_backend` or `torch_compile_mode`.
         """
         if hparams["packing"] not in ("auto", "tree", "padded"):
             raise ValueError(f"`GRPOModule(packing={hparams['packing']!r})` must be 'auto', 'tree' or 'padded'.")
@@ -67,4 +70,7 @@ class ModuleOptions:
             dtype=hparams["dtype"],
             packing=hparams["packing"],
             router_aux_loss_coef=hparams["router_aux_loss_coef"],
+            compile=CompileOptions.resolve(
+                hparams["torch_compile"], hparams["torch_compile_backend"], hparams["torch_compile_mode"]
+            ),
         )

@@ -24,6 +24,8 @@ from lightning.pytorch.strategies import (
     Strategy,
 )
 
+from .compilation import decoder_layers
+
 #: The strategies whose gradient reduction `GRPOModule` works with, for the error message.
 SUPPORTED = (
     "strategy='ddp' (any device), or FSDP2 through ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) "
@@ -78,10 +80,8 @@ def shard_policy(policy: torch.nn.Module, strategy: Strategy) -> None:
     from torch.distributed.fsdp import fully_shard
 
     mesh = strategy.device_mesh["data_parallel"]
-    layer_classes = set(getattr(policy, "_no_split_modules", None) or ())
-    for module in policy.modules():
-        if module is not policy and type(module).__name__ in layer_classes:
-            fully_shard(module, mesh=mesh)
+    for layer in decoder_layers(policy):
+        fully_shard(layer, mesh=mesh)
     fully_shard(policy, mesh=mesh)
 
 

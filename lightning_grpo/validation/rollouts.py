@@ -25,6 +25,7 @@ from ..rollout.conversation import Conversation
 from ..rollout.environments import prompt_of, tool_methods, with_observation
 from ..rollout.stop_strings import StopStrings
 from ..rollout.tool_calls import ToolCaller
+from ..training.compilation import eager_layers
 
 
 @dataclass(frozen=True)
@@ -181,17 +182,18 @@ def generate(
     stops = StopStrings(sampling.stop, tokenizer) if sampling.stop else None
     sample = sampling.temperature > 0
     options = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k) if sample else {}
-    out = policy.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=sampling.max_tokens,
-        do_sample=sample,
-        pad_token_id=pad_token_id,
-        eos_token_id=None if sampling.fixed_length else eos_token_ids,
-        # not transformers' `stop_strings`, which also match text that began in the prompt
-        stopping_criteria=[_StopStringCriteria(stops, width)] if stops and not sampling.fixed_length else None,
-        **options,
-    )
+    with eager_layers():  # compiled layers (`torch_compile`) are for training; generate's shapes would recompile
+        out = policy.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=sampling.max_tokens,
+            do_sample=sample,
+            pad_token_id=pad_token_id,
+            eos_token_id=None if sampling.fixed_length else eos_token_ids,
+            # not transformers' `stop_strings`, which also match text that began in the prompt
+            stopping_criteria=[_StopStringCriteria(stops, width)] if stops and not sampling.fixed_length else None,
+            **options,
+        )
     turns = [_cut_at(row.tolist(), eos_token_ids) for row in out[:, width:]]
     return [_cut_at_stop(ids, stops) for ids in turns] if stops else turns
 
