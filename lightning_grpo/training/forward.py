@@ -78,7 +78,8 @@ def term_logprobs(
     if packing == "tree":
         use_tree_attention(base_model(model))
         out = model(**tree_model_kwargs(micro_batch), logits_to_keep=token_index, use_cache=False, **extra)
-        logits, aux_loss = out.logits[0], getattr(out, "aux_loss", None)
+        # a view, not `[0]`: the backward of a select writes its gradient into a zeroed copy of the whole logits
+        logits, aux_loss = out.logits.squeeze(0), getattr(out, "aux_loss", None)
     elif packing == "padded":
         _leave_tree_attention(base_model(model))
         logits, aux_loss = padded_forward(model, micro_batch, **extra)
