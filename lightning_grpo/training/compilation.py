@@ -7,8 +7,9 @@ compiling again per length. The fusion of the layer's many small operations (nor
 residual adds, autocast's casts) is what the compiler buys: the products were already oneDNN's.
 
 The parameters stay the module's own (the layer's `forward` is compiled, not the module wrapped), so checkpoints,
-weight pushes and LoRA are unchanged, and hooks on a layer run eagerly around its compiled forward. Validation's batched `generate` runs eagerly (`eager_layers`): its cache and growing
-shapes would only add compiles.
+weight pushes and LoRA are unchanged, and hooks on a layer run eagerly around its compiled forward. Validation's
+batched `generate` runs eagerly (`eager_layers`): its cache and growing shapes would only add compiles. The compiled
+graphs depend on torch's thread count, so a new count compiles once more (the trainer's core sharing uses two).
 
 TRL's `torch_compile` compiles the whole model (transformers' Trainer); the options keep TRL's names, defaults and
 meaning otherwise: setting `torch_compile_backend` or `torch_compile_mode` turns compilation on, and the backend
@@ -66,7 +67,7 @@ def decoder_layers(policy: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def compile_policy(policy: torch.nn.Module, options: CompileOptions) -> int:
-    """Compile each decoder layer of `policy` as `options` say (nothing when off); returns how many were compiled.
+    """Compile each decoder layer of `policy` as `options` say (nothing when off); returns how many run compiled.
 
     Raises:
         ValueError: a policy without decoder layers to compile (no `_no_split_modules`), naming its class.
@@ -84,6 +85,8 @@ def compile_policy(policy: torch.nn.Module, options: CompileOptions) -> int:
     if options.backend == DEFAULT_BACKEND and next(policy.parameters()).device.type == "cpu":
         _require_cpp_compiler()
     for layer in layers:
+        if _is_compiled(layer.forward):  # a second fit of the same policy
+            continue
         # the forward, not the module's call: hooks on the layer (the trainer's core sharing sets torch's threads
         # around each layer) stay eager, outside the graph
         layer.forward = torch.compile(layer.forward, backend=options.backend, mode=options.mode, dynamic=True)
@@ -91,6 +94,10 @@ def compile_policy(policy: torch.nn.Module, options: CompileOptions) -> int:
         "torch.compile (%s, mode %s): %d decoder layers, dynamic shapes", options.backend, options.mode, len(layers)
     )
     return len(layers)
+
+
+def _is_compiled(forward: object) -> bool:
+    return getattr(forward, "_torchdynamo_orig_callable", None) is not None
 
 
 def _require_cpp_compiler() -> None:

@@ -57,6 +57,9 @@ def test_compiled_layers_train_as_the_eager_ones_and_reuse_one_graph_across_row_
     eager = use_tree_attention(tiny_llama(0)).train()
     compiled = copy.deepcopy(eager)
     assert compile_policy(compiled, CompileOptions(enabled=True)) == len(decoder_layers(eager)) == 2
+    forwards = [layer.forward for layer in decoder_layers(compiled)]
+    compile_policy(compiled, CompileOptions(enabled=True))  # again (a second fit): the compiled forwards are kept
+    assert [layer.forward for layer in decoder_layers(compiled)] == forwards
     _fresh_compiles()
     graphs = []
     for row in _rows():
