@@ -1,4 +1,5 @@
-/* One decode step's attention over a slot cache, for every row at once (AVX2 + FMA; float32 or bfloat16 tensors).
+/* One decode step's attention over a slot cache, for every row at once (AVX2 + FMA, or AVX-512 where the build
+ * targets it; float32 or bfloat16 tensors).
  *
  * Row r's new key and value (one per key/value head) are written at position lengths[r] of its slot, then each of
  * its query heads attends to positions [start, lengths[r]] of its slot (start > 0 only within a sliding window):
@@ -39,6 +40,62 @@ typedef struct {
     int failed;
 } Problem;
 
+/* -- vectors: 16 lanes where the build targets AVX-512, else 8 (AVX2 + FMA) ------------------------------------ */
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define LANES 16
+typedef __m512 vec;
+#define vzero _mm512_setzero_ps
+#define vset1 _mm512_set1_ps
+#define vloadu _mm512_loadu_ps
+#define vstoreu _mm512_storeu_ps
+#define vadd _mm512_add_ps
+#define vsub _mm512_sub_ps
+#define vmul _mm512_mul_ps
+#define vmax _mm512_max_ps
+#define vfmadd _mm512_fmadd_ps
+#define vround(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vpow2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+/* 16 bf16 values from h, widened to float32 (a bf16 is a float32's upper half). */
+static inline vec widen(const uint16_t *h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
+}
+static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+static inline float vpeak(vec a) { return _mm512_reduce_max_ps(a); }
+/* The lower and upper 8 lanes added: a block's 8 sums in 8 lanes. */
+static inline __m256 fold(vec a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); }
+#else
+#define LANES 8
+typedef __m256 vec;
+#define vzero _mm256_setzero_ps
+#define vset1 _mm256_set1_ps
+#define vloadu _mm256_loadu_ps
+#define vstoreu _mm256_storeu_ps
+#define vadd _mm256_add_ps
+#define vsub _mm256_sub_ps
+#define vmul _mm256_mul_ps
+#define vmax _mm256_max_ps
+#define vfmadd _mm256_fmadd_ps
+#define vround(x) _mm256_round_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vpow2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+static inline vec widen(const uint16_t *h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
+}
+static inline float vsum(vec a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline float vpeak(vec a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline __m256 fold(vec a) { return a; }
+#endif
+
 /* -- conversions ------------------------------------------------------------------------------------------------ */
 
 static inline float bf16_to_float(uint16_t h) {
@@ -56,19 +113,24 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* LANES values at `index` of a bf16 or float32 array, as float32. */
+static inline vec load_vec(const void *src, int64_t index, int bf16) {
+    return bf16 ? widen((const uint16_t *)src + index) : vloadu((const float *)src + index);
+}
+
+static inline float load1(const void *src, int64_t index, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)src)[index]) : ((const float *)src)[index];
+}
+
 /* dim values of a key or value vector (bf16 or float32) into float32. */
 static inline void to_float(const void *src, int64_t index, int64_t dim, int bf16, float *dst) {
     if (!bf16) {
         memcpy(dst, (const float *)src + index, (size_t)dim * 4);
         return;
     }
-    const uint16_t *h = (const uint16_t *)src + index;
     int64_t c = 0;
-    for (; c + 8 <= dim; c += 8) {
-        __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + c)));
-        _mm256_storeu_ps(dst + c, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-    }
-    for (; c < dim; ++c) dst[c] = bf16_to_float(h[c]);
+    for (; c + LANES <= dim; c += LANES) vstoreu(dst + c, widen((const uint16_t *)src + index + c));
+    for (; c < dim; ++c) dst[c] = bf16_to_float(((const uint16_t *)src)[index + c]);
 }
 
 static inline void copy_vector(const void *src, int64_t from, void *dst, int64_t to, int64_t dim, int bf16) {
@@ -78,41 +140,31 @@ static inline void copy_vector(const void *src, int64_t from, void *dst, int64_t
 
 /* -- vector math ------------------------------------------------------------------------------------------------ */
 
-/* exp(x) for 8 floats (x <= 0 here: scores minus their maximum), Cephes' polynomial: relative error ~2e-7. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f), log2e = _mm256_set1_ps(1.44269504088896341f);
-    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_sub_ps(x, _mm256_mul_ps(n, c1));
-    x = _mm256_sub_ps(x, _mm256_mul_ps(n, c2));
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(power));
-}
-
-static inline float hsum8(__m256 a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* exp(x) lane by lane (x <= 0 here: scores minus their maximum), Cephes' polynomial: relative error ~2e-7. */
+static inline vec vexp(vec x) {
+    x = vmax(x, vset1(-87.3f));
+    vec n = vround(vmul(x, vset1(1.44269504088896341f)));
+    x = vsub(x, vmul(n, vset1(0.693359375f)));
+    x = vsub(x, vmul(n, vset1(-2.12194440e-4f)));
+    vec y = vset1(1.9875691500e-4f);
+    y = vfmadd(y, x, vset1(1.3981999507e-3f));
+    y = vfmadd(y, x, vset1(8.3334519073e-3f));
+    y = vfmadd(y, x, vset1(4.1665795894e-2f));
+    y = vfmadd(y, x, vset1(1.6666665459e-1f));
+    y = vfmadd(y, x, vset1(5.0000001201e-1f));
+    y = vfmadd(y, vmul(x, x), vadd(x, vset1(1.0f)));
+    return vmul(y, vpow2(n));
 }
 
 static inline float dot(const float *a, const float *b, int64_t dim) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    vec acc0 = vzero(), acc1 = vzero();
     int64_t c = 0;
-    for (; c + 16 <= dim; c += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8), _mm256_loadu_ps(b + c + 8), acc1);
+    for (; c + 2 * LANES <= dim; c += 2 * LANES) {
+        acc0 = vfmadd(vloadu(a + c), vloadu(b + c), acc0);
+        acc1 = vfmadd(vloadu(a + c + LANES), vloadu(b + c + LANES), acc1);
     }
-    for (; c + 8 <= dim; c += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc0);
-    float sum = hsum8(_mm256_add_ps(acc0, acc1));
+    for (; c + LANES <= dim; c += LANES) acc0 = vfmadd(vloadu(a + c), vloadu(b + c), acc0);
+    float sum = vsum(vadd(acc0, acc1));
     for (; c < dim; ++c) sum += a[c] * b[c];
     return sum;
 }
@@ -120,20 +172,28 @@ static inline float dot(const float *a, const float *b, int64_t dim) {
 /* scores[0..n) = exp(scores - max) in place; returns their sum. */
 static float exp_shifted(float *scores, int64_t n) {
     float peak = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) peak = scores[j] > peak ? scores[j] : peak;
-    __m256 shift = _mm256_set1_ps(peak), total = _mm256_setzero_ps();
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), shift));
-        _mm256_storeu_ps(scores + j, e);
-        total = _mm256_add_ps(total, e);
+    if (n >= LANES) {
+        vec most = vloadu(scores);
+        for (j = LANES; j + LANES <= n; j += LANES) most = vmax(most, vloadu(scores + j));
+        peak = vpeak(most);
     }
-    float sum = hsum8(total);
-    for (; j < n; ++j) {
-        scores[j] = expf(scores[j] - peak);
-        sum += scores[j];
+    for (; j < n; ++j) peak = scores[j] > peak ? scores[j] : peak;
+    vec shift = vset1(peak), total = vzero();
+    for (j = 0; j + LANES <= n; j += LANES) {
+        vec e = vexp(vsub(vloadu(scores + j), shift));
+        vstoreu(scores + j, e);
+        total = vadd(total, e);
     }
-    return sum;
+    if (j < n) { /* the last n - j scores, through one vector padded with -inf (whose exp is 0) */
+        float tail[LANES];
+        for (int64_t i = 0; i < LANES; ++i) tail[i] = j + i < n ? scores[j + i] : -INFINITY;
+        vec e = vexp(vsub(vloadu(tail), shift));
+        vstoreu(tail, e);
+        total = vadd(total, e);
+        memcpy(scores + j, tail, (size_t)(n - j) * 4);
+    }
+    return vsum(total);
 }
 
 /* -- one (row, key/value head) pair ----------------------------------------------------------------------------- */
@@ -149,17 +209,6 @@ static inline __m256 sum8x8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-/* 8 values at `index` of a bf16 or float32 array, as float32. */
-static inline __m256 load8(const void *src, int64_t index, int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)src + index);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)src + index));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float load1(const void *src, int64_t index, int bf16) {
-    return bf16 ? bf16_to_float(((const uint16_t *)src)[index]) : ((const float *)src)[index];
-}
-
 /* Ask for the cache lines of `count` values from `index` on (past the end of the cache is harmless: a prefetch
    never faults). */
 static inline void prefetch(const void *src, int64_t index, int64_t count, int bf16) {
@@ -168,25 +217,28 @@ static inline void prefetch(const void *src, int64_t index, int64_t count, int b
 }
 
 /* scores[g * stride + j] = scale * q_g . key_j (capped) for `count` queries and the n keys from `first` (a vector
-   index) on. */
+   index) on. The values of the same positions are prefetched for `weigh`, which reads them next. */
 static void score(const Problem *p, const float *queries, int64_t count, int64_t first, int64_t n, float *keys,
                   float *scores, int64_t stride) {
-    const int64_t dim = p->dim, whole = dim & ~(int64_t)7;
+    const int64_t dim = p->dim;
     for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {
         const int64_t block = n - j0 < BLOCK ? n - j0 : BLOCK;
         prefetch(p->k_cache, (first + j0 + 2 * BLOCK) * dim, BLOCK * dim, p->bf16); /* two blocks ahead */
+        prefetch(p->v_cache, (first + j0 + 2 * BLOCK) * dim, BLOCK * dim, p->bf16);
         for (int64_t i = 0; i < block; ++i) to_float(p->k_cache, (first + j0 + i) * dim, dim, p->bf16, keys + i * dim);
         for (int64_t g = 0; g < count; ++g) {
             const float *q = queries + g * dim;
             float *out = scores + g * stride + j0;
-            if (block == BLOCK && whole == dim) {
-                __m256 acc[BLOCK];
-                for (int i = 0; i < BLOCK; ++i) acc[i] = _mm256_setzero_ps();
-                for (int64_t c = 0; c < dim; c += 8) {
-                    __m256 qv = _mm256_loadu_ps(q + c);
-                    for (int i = 0; i < BLOCK; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + i * dim + c), acc[i]);
+            if (block == BLOCK && dim % LANES == 0) {
+                vec acc[BLOCK];
+                for (int i = 0; i < BLOCK; ++i) acc[i] = vzero();
+                for (int64_t c = 0; c < dim; c += LANES) {
+                    vec qv = vloadu(q + c);
+                    for (int i = 0; i < BLOCK; ++i) acc[i] = vfmadd(qv, vloadu(keys + i * dim + c), acc[i]);
                 }
-                _mm256_storeu_ps(out, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(p->scale)));
+                __m256 folded[BLOCK];
+                for (int i = 0; i < BLOCK; ++i) folded[i] = fold(acc[i]);
+                _mm256_storeu_ps(out, _mm256_mul_ps(sum8x8(folded), _mm256_set1_ps(p->scale)));
             } else {
                 for (int64_t i = 0; i < block; ++i) out[i] = p->scale * dot(q, keys + i * dim, dim);
             }
@@ -196,30 +248,62 @@ static void score(const Problem *p, const float *queries, int64_t count, int64_t
     }
 }
 
+/* outs[h * dim + c] += sum_j weights[h * stride + j] * value_j[c] for H queries (a constant once inlined, so the
+   accumulators stay in registers), two vectors of c at a time, then one, then lane by lane. */
+static inline __attribute__((always_inline)) void weigh_heads(const Problem *p, const float *weights, int64_t first,
+                                                              int64_t n, float *outs, int64_t stride, const int H) {
+    const int64_t dim = p->dim;
+    int64_t c = 0;
+    for (; c + 2 * LANES <= dim; c += 2 * LANES) {
+        vec acc[HEADS_AT_ONCE][2];
+        for (int h = 0; h < H; ++h) {
+            acc[h][0] = vloadu(outs + h * dim + c);
+            acc[h][1] = vloadu(outs + h * dim + c + LANES);
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const vec low = load_vec(p->v_cache, (first + j) * dim + c, p->bf16);
+            const vec high = load_vec(p->v_cache, (first + j) * dim + c + LANES, p->bf16);
+            for (int h = 0; h < H; ++h) {
+                const vec w = vset1(weights[h * stride + j]);
+                acc[h][0] = vfmadd(w, low, acc[h][0]);
+                acc[h][1] = vfmadd(w, high, acc[h][1]);
+            }
+        }
+        for (int h = 0; h < H; ++h) {
+            vstoreu(outs + h * dim + c, acc[h][0]);
+            vstoreu(outs + h * dim + c + LANES, acc[h][1]);
+        }
+    }
+    for (; c + LANES <= dim; c += LANES) {
+        vec acc[HEADS_AT_ONCE];
+        for (int h = 0; h < H; ++h) acc[h] = vloadu(outs + h * dim + c);
+        for (int64_t j = 0; j < n; ++j) {
+            const vec value = load_vec(p->v_cache, (first + j) * dim + c, p->bf16);
+            for (int h = 0; h < H; ++h) acc[h] = vfmadd(vset1(weights[h * stride + j]), value, acc[h]);
+        }
+        for (int h = 0; h < H; ++h) vstoreu(outs + h * dim + c, acc[h]);
+    }
+    for (; c < dim; ++c) {
+        for (int h = 0; h < H; ++h) {
+            float sum = 0;
+            for (int64_t j = 0; j < n; ++j) sum += weights[h * stride + j] * load1(p->v_cache, (first + j) * dim + c, p->bf16);
+            outs[h * dim + c] += sum;
+        }
+    }
+}
+
 /* outs[g * dim + c] += sum_j weights[g * stride + j] * value_j[c], for `count` queries and the n values from `first`
    (a vector index) on. */
 static void weigh(const Problem *p, const float *weights, int64_t count, int64_t first, int64_t n, float *outs,
                   int64_t stride) {
-    const int64_t dim = p->dim, whole = dim & ~(int64_t)7;
-    prefetch(p->v_cache, first * dim, n * dim, p->bf16);
     for (int64_t g0 = 0; g0 < count; g0 += HEADS_AT_ONCE) {
-        const int64_t heads = count - g0 < HEADS_AT_ONCE ? count - g0 : HEADS_AT_ONCE;
-        for (int64_t c = 0; c < whole; c += 8) {
-            __m256 acc[HEADS_AT_ONCE];
-            for (int64_t h = 0; h < HEADS_AT_ONCE; ++h) acc[h] = h < heads ? _mm256_loadu_ps(outs + (g0 + h) * dim + c) : _mm256_setzero_ps();
-            for (int64_t j = 0; j < n; ++j) {
-                __m256 value = load8(p->v_cache, (first + j) * dim + c, p->bf16);
-                for (int64_t h = 0; h < heads; ++h)
-                    acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(weights[(g0 + h) * stride + j]), value, acc[h]);
-            }
-            for (int64_t h = 0; h < heads; ++h) _mm256_storeu_ps(outs + (g0 + h) * dim + c, acc[h]);
-        }
-        for (int64_t c = whole; c < dim; ++c) {
-            for (int64_t h = 0; h < heads; ++h) {
-                float sum = 0;
-                for (int64_t j = 0; j < n; ++j) sum += weights[(g0 + h) * stride + j] * load1(p->v_cache, (first + j) * dim + c, p->bf16);
-                outs[(g0 + h) * dim + c] += sum;
-            }
+        const float *w = weights + g0 * stride;
+        float *o = outs + g0 * p->dim;
+        switch (count - g0 < HEADS_AT_ONCE ? count - g0 : HEADS_AT_ONCE) {
+            case 1: weigh_heads(p, w, first, n, o, stride, 1); break;
+            case 2: weigh_heads(p, w, first, n, o, stride, 2); break;
+            case 3: weigh_heads(p, w, first, n, o, stride, 3); break;
+            default: weigh_heads(p, w, first, n, o, stride, 4); break;
         }
     }
 }

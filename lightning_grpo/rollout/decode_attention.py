@@ -172,4 +172,5 @@ def _load() -> tuple[Callable[..., int] | None, str | None]:
         switch=ENV_SWITCH,
         kernel="attention kernel",
         fallback="torch's operations",
+        wide=True,
     )

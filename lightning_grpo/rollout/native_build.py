@@ -26,6 +26,18 @@ log = logging.getLogger(__name__)
 
 #: The compiler flags of every kernel.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread")
+#: What a `wide` kernel's build adds where torch runs its AVX-512 code: the source's 16-lane paths.
+AVX512_FLAGS = ("-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl")
+
+
+def vector_isa() -> str:
+    """torch's vector level on this CPU ("AVX512", "AVX2", ...; `ATEN_CPU_CAPABILITY` lowers it)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def flags(wide: bool = False) -> tuple[str, ...]:
+    """The compiler flags of a kernel: AVX2 and FMA, and AVX-512 for a `wide` one where `vector_isa` is "AVX512"."""
+    return FLAGS + (AVX512_FLAGS if wide and vector_isa() == "AVX512" else ())
 
 
 def refusal(switch: str) -> str | None:
@@ -34,7 +46,7 @@ def refusal(switch: str) -> str | None:
         return f"{switch}=0"
     if platform.machine().lower() not in {"x86_64", "amd64"}:
         return f"the CPU is {platform.machine()}, not x86-64"
-    capability = torch.backends.cpu.get_cpu_capability()
+    capability = vector_isa()
     if capability not in {"AVX2", "AVX512"}:  # torch's AVX2 level requires FMA too
         return f"the CPU has no AVX2 and FMA (torch reports {capability})"
     if compiler() is None:
@@ -43,15 +55,23 @@ def refusal(switch: str) -> str | None:
 
 
 def load_function(
-    source: Path, name: str, argtypes: list[Any], *, switch: str, kernel: str, fallback: str
+    source: Path,
+    name: str,
+    argtypes: list[Any],
+    *,
+    switch: str,
+    kernel: str,
+    fallback: str,
+    wide: bool = False,
 ) -> tuple[Callable[..., int] | None, str | None]:
     """(the function `name` of `source`'s library, typed with `argtypes` and an int result, None), or (None, why it
     cannot run here). The reason is logged, naming `kernel` ("small-batch kernel") and what runs instead
-    (`fallback`); callers cache the answer, so it is logged once."""
+    (`fallback`); callers cache the answer, so it is logged once. `wide`: built with AVX-512 where torch runs it
+    (see `flags`)."""
     reason = refusal(switch)
     if reason is None:
         try:
-            function = getattr(load(source), name)
+            function = getattr(load(source, wide), name)
         except (OSError, subprocess.SubprocessError) as error:
             reason = f"building or loading {source.name} failed: {error}"
             log.warning("The embedded generator's %s is off (%s); %s run instead.", kernel, reason, fallback)
@@ -63,23 +83,24 @@ def load_function(
     return None, reason
 
 
-def load(source: Path) -> ctypes.CDLL:
-    """The shared library of `source`, built first unless a build of the same source, flags and compiler is cached.
+def load(source: Path, wide: bool = False) -> ctypes.CDLL:
+    """The shared library of `source`, built first (with `flags(wide)`) unless a build of the same source, flags and
+    compiler is cached.
 
     Raises:
         OSError: no compiler, the build failed (with the compiler's message), or the library does not load.
         subprocess.SubprocessError: the compiler did not answer.
     """
-    return ctypes.CDLL(str(build(source)))
+    return ctypes.CDLL(str(build(source, wide)))
 
 
 def compiler() -> str | None:
     return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
 
 
-def build(source: Path) -> Path:
-    """The shared library of `source`, compiled into the cache folder unless a build of the same source, flags and
-    compiler is there. Concurrent builds (several processes starting at once) each write their own file and rename
+def build(source: Path, wide: bool = False) -> Path:
+    """The shared library of `source`, compiled with `flags(wide)` into the cache folder unless a build of the same
+    source, flags and compiler is there. Concurrent builds (several processes starting at once) each write their own file and rename
     it into place."""
     from ..models.smollm2 import default_cache_dir
 
@@ -87,7 +108,8 @@ def build(source: Path) -> Path:
     if cc is None:
         raise OSError("no C compiler found: set $CC or install gcc")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), version.encode()]))
+    options = flags(wide)
+    digest = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(options).encode(), version.encode()]))
     folder = default_cache_dir() / "kernels"
     target = folder / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -97,7 +119,7 @@ def build(source: Path) -> Path:
     os.close(handle)
     try:
         done = subprocess.run(
-            [cc, *FLAGS, str(source), "-o", partial, "-lm"], capture_output=True, text=True, timeout=120
+            [cc, *options, str(source), "-o", partial, "-lm"], capture_output=True, text=True, timeout=120
         )
         if done.returncode != 0:
             raise OSError(f"{cc} exited {done.returncode}: {done.stderr.strip()[-500:]}")

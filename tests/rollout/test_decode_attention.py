@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_grpo.models.tiny import tiny_llama_config
-from lightning_grpo.rollout import decode_attention
+from lightning_grpo.rollout import decode_attention, native_build
 from lightning_grpo.rollout.decoder import SlotDecoder
 
 needs_kernel = pytest.mark.skipif(not decode_attention.available(), reason=f"{decode_attention.unavailable_reason()}")
@@ -46,6 +46,20 @@ def fresh_kernel_state(monkeypatch):
     decode_attention._load.cache_clear()
 
 
+@pytest.fixture(params=["native", "avx2"])
+def vector_build(request, monkeypatch):
+    """The kernel as built for this CPU (AVX-512's 16 lanes where torch runs AVX-512), then its AVX2 build: both
+    paths are checked on an AVX-512 machine."""
+    if request.param == "avx2":
+        if native_build.vector_isa() != "AVX512":
+            pytest.skip("the native build is the AVX2 one here")
+        monkeypatch.setattr(native_build, "vector_isa", lambda: "AVX2")
+    decode_attention._load.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    decode_attention._load.cache_clear()
+
+
 def reference(q, k, v, keys, values, lengths, scale, window=None, softcap=None):
     """float64 attention of each row to its slot after writing its key and value; (out, keys, values)."""
     keys, values = keys.clone(), values.clone()
@@ -73,13 +87,14 @@ def reference(q, k, v, keys, values, lengths, scale, window=None, softcap=None):
         (5, 4, 2, 16, None, None, 1),
         (7, 9, 3, 64, 4, None, 1),  # a sliding window shorter than most rows
         (3, 6, 6, 20, None, 30.0, 1),  # a head dim with a leftover of 4, softcapped scores, one query per kv head
+        (6, 8, 2, 48, None, None, 1),  # a head dim of three 16-lane vectors: a pair of them, then one
         (4, 14, 2, 8, 9, 50.0, 1),  # 7 queries per kv head: more than the kernel sums at once
         (33, 8, 1, 96, None, None, 2),  # one kv head shared by 8 queries, split between two threads
         (64, 9, 3, 64, None, None, 2),
     ],
 )
 def test_the_kernel_is_float64_attention_within_the_outputs_rounding_and_writes_the_new_key_and_value(
-    dtype, rows, heads, kv_heads, dim, window, softcap, threads
+    dtype, rows, heads, kv_heads, dim, window, softcap, threads, vector_build
 ):
     generator = torch.Generator().manual_seed(rows)
     q = torch.randn(rows, heads, dim, generator=generator).to(dtype)
@@ -117,6 +132,12 @@ def test_the_kernel_runs_on_an_x86_cpu_with_avx2_and_a_c_compiler():
     assert decode_attention.available(), decode_attention.unavailable_reason()
 
 
+def test_the_kernel_is_built_for_avx512_where_torch_runs_avx512_and_the_matmul_kernel_for_avx2():
+    wide, narrow = native_build.flags(wide=True), native_build.flags()
+    assert "-mavx2" in wide and "-mavx512f" not in narrow
+    assert ("-mavx512f" in wide) == (native_build.vector_isa() == "AVX512")
+
+
 def test_switched_off_or_unbuildable_the_decoder_runs_torchs_attention(fresh_kernel_state, tmp_path, caplog):
     fresh_kernel_state.setenv(decode_attention.ENV_SWITCH, "0")
     assert decode_attention.unavailable_reason() == f"{decode_attention.ENV_SWITCH}=0"
@@ -152,7 +173,7 @@ def test_rows_group_by_their_prefix_id_and_a_row_without_one_stays_alone():
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("window", "threads"), [(None, 1), (None, 2), (12, 1)], ids=["all", "two_threads", "window"])
-def test_a_group_reads_its_shared_prefix_once_from_its_first_rows_slot(dtype, window, threads):
+def test_a_group_reads_its_shared_prefix_once_from_its_first_rows_slot(dtype, window, threads, vector_build):
     """Rows 0, 2, 3 and 5 were loaded with one prefix of 10 positions, 1 and 4 with another of 6, and then decoded on
     (different lengths). The group's prefix is read from its first row's slot only: the other members' copies are
     overwritten with NaN and the result is still float64 attention over the intact copies. Under a window of 12 that
