@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define MAX_THREADS 64
 
 typedef struct {
@@ -39,88 +41,6 @@ typedef struct {
     int64_t first, last; /* the (group, kv head) pairs of this share: [first, last) */
     int failed;
 } Problem;
-
-/* -- vectors: 16 lanes where the build targets AVX-512, else 8 (AVX2 + FMA) ------------------------------------ */
-
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-#define LANES 16
-typedef __m512 vec;
-#define vzero _mm512_setzero_ps
-#define vset1 _mm512_set1_ps
-#define vloadu _mm512_loadu_ps
-#define vstoreu _mm512_storeu_ps
-#define vadd _mm512_add_ps
-#define vsub _mm512_sub_ps
-#define vmul _mm512_mul_ps
-#define vmax _mm512_max_ps
-#define vfmadd _mm512_fmadd_ps
-#define vround(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define vpow2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
-/* 16 bf16 values from h, widened to float32 (a bf16 is a float32's upper half). */
-static inline vec widen(const uint16_t *h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
-}
-static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
-static inline float vpeak(vec a) { return _mm512_reduce_max_ps(a); }
-/* The lower and upper 8 lanes added: a block's 8 sums in 8 lanes. */
-static inline __m256 fold(vec a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); }
-#else
-#define LANES 8
-typedef __m256 vec;
-#define vzero _mm256_setzero_ps
-#define vset1 _mm256_set1_ps
-#define vloadu _mm256_loadu_ps
-#define vstoreu _mm256_storeu_ps
-#define vadd _mm256_add_ps
-#define vsub _mm256_sub_ps
-#define vmul _mm256_mul_ps
-#define vmax _mm256_max_ps
-#define vfmadd _mm256_fmadd_ps
-#define vround(x) _mm256_round_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define vpow2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
-static inline vec widen(const uint16_t *h) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
-}
-static inline float vsum(vec a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-static inline float vpeak(vec a) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-static inline __m256 fold(vec a) { return a; }
-#endif
-
-/* -- conversions ------------------------------------------------------------------------------------------------ */
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* LANES values at `index` of a bf16 or float32 array, as float32. */
-static inline vec load_vec(const void *src, int64_t index, int bf16) {
-    return bf16 ? widen((const uint16_t *)src + index) : vloadu((const float *)src + index);
-}
-
-static inline float load1(const void *src, int64_t index, int bf16) {
-    return bf16 ? bf16_to_float(((const uint16_t *)src)[index]) : ((const float *)src)[index];
-}
 
 /* dim values of a key or value vector (bf16 or float32) into float32. */
 static inline void to_float(const void *src, int64_t index, int64_t dim, int bf16, float *dst) {
@@ -139,22 +59,6 @@ static inline void copy_vector(const void *src, int64_t from, void *dst, int64_t
 }
 
 /* -- vector math ------------------------------------------------------------------------------------------------ */
-
-/* exp(x) lane by lane (x <= 0 here: scores minus their maximum), Cephes' polynomial: relative error ~2e-7. */
-static inline vec vexp(vec x) {
-    x = vmax(x, vset1(-87.3f));
-    vec n = vround(vmul(x, vset1(1.44269504088896341f)));
-    x = vsub(x, vmul(n, vset1(0.693359375f)));
-    x = vsub(x, vmul(n, vset1(-2.12194440e-4f)));
-    vec y = vset1(1.9875691500e-4f);
-    y = vfmadd(y, x, vset1(1.3981999507e-3f));
-    y = vfmadd(y, x, vset1(8.3334519073e-3f));
-    y = vfmadd(y, x, vset1(4.1665795894e-2f));
-    y = vfmadd(y, x, vset1(1.6666665459e-1f));
-    y = vfmadd(y, x, vset1(5.0000001201e-1f));
-    y = vfmadd(y, vmul(x, x), vadd(x, vset1(1.0f)));
-    return vmul(y, vpow2(n));
-}
 
 static inline float dot(const float *a, const float *b, int64_t dim) {
     vec acc0 = vzero(), acc1 = vzero();

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.packed_matmul import pack_weight, packed_linear
-from . import decode_attention, small_matmul
+from . import decode_attention, layer_ops, small_matmul
 from .architectures import ARCHITECTURES, LayerPlan, Scalars, architecture_of, layer_plans, scalars_of
 
 if TYPE_CHECKING:
@@ -172,7 +172,8 @@ class _Layer:
     def __init__(self, layer: torch.nn.Module, plan: LayerPlan, widths: list[int], packed: bool = False) -> None:
         attention, mlp = layer.self_attn, layer.mlp
         self.attention = attention
-        norms = [getattr(layer, name) if name else _identity for name in plan.norms]
+        width, dtype = attention.o_proj.out_features, attention.o_proj.weight.dtype
+        norms = [_fused_norm(getattr(layer, name), width, dtype) if name else _identity for name in plan.norms]
         if plan.residual_multiplier is not None:
             for index in (1, 3):
                 norms[index] = _Scaled(norms[index], plan.residual_multiplier)
@@ -186,6 +187,7 @@ class _Layer:
             self.down = _Linear(mlp.down_proj, packed)
             self.linears += [self.gate_up, self.down]
             self.act = getattr(mlp, "act_fn", None) or mlp.activation_fn
+            self.act_mul = layer_ops.act_mul_for(self.act, widths[0], dtype) or self._act_mul
             self.mlp = self._gated_mlp
         else:
             self._block = mlp
@@ -199,7 +201,10 @@ class _Layer:
     def _gated_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The model's MLP branch: `down(act(gate(x)) * up(x))` between the layer's norms."""
         gate, up = self.gate_up(self.pre_mlp(x))
-        return self.post_mlp(self.down(self.act(gate) * up))
+        return self.post_mlp(self.down(self.act_mul(gate, up)))
+
+    def _act_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act(gate) * up
 
     def _block_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The model's MLP module on the step's tokens, as one sequence (its router picks experts per token)."""
@@ -208,6 +213,11 @@ class _Layer:
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _fused_norm(norm: torch.nn.Module, width: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The norm as one fused pass (`layer_ops.norm_for`) where that matches it, else the module."""
+    return layer_ops.norm_for(norm, width, dtype) or norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +277,7 @@ class SlotDecoder:
         self._vocab_size = head.weight.shape[0]
         attention = self._layers[0].attention
         self._rope = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the model's own rotation
+        self._rotate = self._fused_rotation(config.hidden_size) or self._model_rotation
         self._scale = attention.scaling
         self._dtype = base.embed_tokens.weight.dtype
         # the rows' attention in one C call over a position-major cache, where it runs (else torch's operations)
@@ -408,6 +419,20 @@ class SlotDecoder:
             rotations[rotary_type] = cos[0], sin[0]
         return rotations
 
+    def _fused_rotation(self, hidden_size: int) -> layer_ops.Rotation | None:
+        """`layer_ops.rotate` where it matches the model's rotation on a probe at a few positions."""
+        rotating = [layer for layer in self._layers if layer.rotates]
+        if not rotating:
+            return None
+        probe = torch.zeros(1, 3, hidden_size, dtype=self._layers[0].attention.o_proj.weight.dtype)
+        extra = () if rotating[0].rotary_type is None else (rotating[0].rotary_type,)
+        with torch.inference_mode():
+            cos, sin = self._rotary(probe, torch.arange(3)[None] + 17, *extra)
+        return layer_ops.rotation_for(self._rope, cos[0], sin[0], self.heads, self.kv_heads, self.head_dim)
+
+    def _model_rotation(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rope(q, k, cos, sin, unsqueeze_dim=1)
+
     def _row_mask(self, lengths: torch.Tensor, window: int | None) -> torch.Tensor | None:
         """(rows, 1, 1, width) additive mask over the slot positions each row attends to: its length + 1, or the
         last `window` of them (a sliding-window layer: key `j` is seen from position `p` when `p - j < window`)."""
@@ -446,7 +471,7 @@ class SlotDecoder:
         if layer.head_qk_norm:
             q, k = attention.q_norm(q), attention.k_norm(k)
         if layer.rotates:
-            q, k = self._rope(q, k, cos, sin, unsqueeze_dim=1)
+            q, k = self._rotate(q, k, cos, sin)
         out = torch.empty_like(q)
         rows = spans[0][0] if spans else count  # the prompts' tokens follow the rows'
         if rows:

@@ -1,8 +1,9 @@
-"""The embedded generator's C kernels (`small_matmul.c`, `decode_attention.c`): compiled on first use and loaded.
+"""The embedded generator's C kernels (`small_matmul.c`, `decode_attention.c`, `layer_ops.c`, sharing `simd.h`):
+compiled on first use and loaded.
 
 Each kernel is compiled with the system's C compiler (`$CC`, else `cc`, else `gcc`) into `<cache>/kernels/`
-(`$LIGHTNING_GRPO_CACHE`, default `~/.cache/lightning_grpo`), once per source, flags and compiler; a build takes about
-a second. They need an x86-64 CPU with AVX2 and FMA. Where a kernel cannot run, `load` says why, and its caller runs
+(`$LIGHTNING_GRPO_CACHE`, default `~/.cache/lightning_grpo`), once per source (with the headers beside it), flags and
+compiler; a build takes about a second. They need an x86-64 CPU with AVX2 and FMA. Where a kernel cannot run, `load` says why, and its caller runs
 torch's own operations instead.
 """
 
@@ -24,8 +25,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-#: The compiler flags of every kernel.
-FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread")
+#: The compiler flags of every kernel (no fused multiply-adds but those written out: rounding as written).
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
 #: What a `wide` kernel's build adds where torch runs its AVX-512 code: the source's 16-lane paths.
 AVX512_FLAGS = ("-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl")
 
@@ -65,20 +66,39 @@ def load_function(
     wide: bool = False,
 ) -> tuple[Callable[..., int] | None, str | None]:
     """(the function `name` of `source`'s library, typed with `argtypes` and an int result, None), or (None, why it
-    cannot run here). The reason is logged, naming `kernel` ("small-batch kernel") and what runs instead
-    (`fallback`); callers cache the answer, so it is logged once. `wide`: built with AVX-512 where torch runs it
-    (see `flags`)."""
+    cannot run here). See `load_functions`."""
+    functions, reason = load_functions(
+        source, {name: argtypes}, switch=switch, kernel=kernel, fallback=fallback, wide=wide
+    )
+    return (None, reason) if functions is None else (functions[name], None)
+
+
+def load_functions(
+    source: Path,
+    signatures: dict[str, list[Any]],
+    *,
+    switch: str,
+    kernel: str,
+    fallback: str,
+    wide: bool = False,
+) -> tuple[dict[str, Callable[..., int]] | None, str | None]:
+    """({name: the function of `source`'s library, typed with its argtypes and an int result}, None) for the names
+    of `signatures`, or (None, why they cannot run here). The reason is logged, naming `kernel` ("small-batch
+    kernel") and what runs instead (`fallback`); callers cache the answer, so it is logged once. `wide`: built with
+    AVX-512 where torch runs it (see `flags`)."""
     reason = refusal(switch)
     if reason is None:
         try:
-            function = getattr(load(source, wide), name)
-        except (OSError, subprocess.SubprocessError) as error:
+            library = load(source, wide)
+            functions = {name: getattr(library, name) for name in signatures}
+        except (OSError, subprocess.SubprocessError, AttributeError) as error:
             reason = f"building or loading {source.name} failed: {error}"
             log.warning("The embedded generator's %s is off (%s); %s run instead.", kernel, reason, fallback)
             return None, reason
-        function.argtypes = argtypes
-        function.restype = ctypes.c_int
-        return function, None
+        for name, function in functions.items():
+            function.argtypes = signatures[name]
+            function.restype = ctypes.c_int
+        return functions, None
     log.info("The embedded generator's %s is off (%s); %s run instead.", kernel, reason, fallback)
     return None, reason
 
@@ -109,7 +129,8 @@ def build(source: Path, wide: bool = False) -> Path:
         raise OSError("no C compiler found: set $CC or install gcc")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     options = flags(wide)
-    digest = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(options).encode(), version.encode()]))
+    headers = [header.read_bytes() for header in sorted(source.parent.glob("*.h"))]  # what a source may include
+    digest = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(options).encode(), version.encode()]))
     folder = default_cache_dir() / "kernels"
     target = folder / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():

@@ -46,20 +46,6 @@ def fresh_kernel_state(monkeypatch):
     decode_attention._load.cache_clear()
 
 
-@pytest.fixture(params=["native", "avx2"])
-def vector_build(request, monkeypatch):
-    """The kernel as built for this CPU (AVX-512's 16 lanes where torch runs AVX-512), then its AVX2 build: both
-    paths are checked on an AVX-512 machine."""
-    if request.param == "avx2":
-        if native_build.vector_isa() != "AVX512":
-            pytest.skip("the native build is the AVX2 one here")
-        monkeypatch.setattr(native_build, "vector_isa", lambda: "AVX2")
-    decode_attention._load.cache_clear()
-    yield request.param
-    monkeypatch.undo()
-    decode_attention._load.cache_clear()
-
-
 def reference(q, k, v, keys, values, lengths, scale, window=None, softcap=None):
     """float64 attention of each row to its slot after writing its key and value; (out, keys, values)."""
     keys, values = keys.clone(), values.clone()

@@ -15,7 +15,10 @@ from lightning_grpo.models.tiny import tiny_llama_config
 from lightning_grpo.rollout import decode_attention
 from lightning_grpo.rollout.decoder import SlotDecoder
 
-PATHS = ["torch", pytest.param("kernel", marks=pytest.mark.skipif(not decode_attention.available(), reason="no kernel"))]
+PATHS = [
+    "torch",
+    pytest.param("kernel", marks=pytest.mark.skipif(not decode_attention.available(), reason="no kernel")),
+]
 
 
 def decoder(dtype: torch.dtype, path: str = "torch") -> SlotDecoder:

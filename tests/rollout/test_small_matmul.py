@@ -127,7 +127,9 @@ def test_a_build_goes_into_the_cache_folder_once_per_source(fresh_kernel_state, 
     first = native_build.build(small_matmul._SOURCE)
     assert first.parent == tmp_path / "kernels" and first.name.startswith("small_matmul-")
     stamp = first.stat().st_mtime_ns
-    assert native_build.build(small_matmul._SOURCE) == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert (
+        native_build.build(small_matmul._SOURCE) == first and first.stat().st_mtime_ns == stamp
+    )  # reused, not rebuilt
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
 
 

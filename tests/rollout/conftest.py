@@ -1,0 +1,26 @@
+"""Fixtures of the rollout tests: the generator's C kernels in each build this CPU can run."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_grpo.rollout import decode_attention, layer_ops, native_build
+
+
+def _clear_kernels() -> None:
+    decode_attention._load.cache_clear()
+    layer_ops._load.cache_clear()
+
+
+@pytest.fixture(params=["native", "avx2"])
+def vector_build(request, monkeypatch):
+    """The kernels as built for this CPU (AVX-512's 16 lanes where torch runs AVX-512), then their AVX2 build: both
+    paths are checked on an AVX-512 machine."""
+    if request.param == "avx2":
+        if native_build.vector_isa() != "AVX512":
+            pytest.skip("the native build is the AVX2 one here")
+        monkeypatch.setattr(native_build, "vector_isa", lambda: "AVX2")
+    _clear_kernels()
+    yield request.param
+    monkeypatch.undo()
+    _clear_kernels()
