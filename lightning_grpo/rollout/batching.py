@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from . import cdf_draw
 from .decoder import Prefix, SlotDecoder
 from .sampling import draw, sampling_scores
 
@@ -76,6 +77,17 @@ class SamplingOptions:
     top_p: float = 1.0
     min_p: float | None = None
     repetition_penalty: float = 1.0
+
+    @property
+    def temperature_only(self) -> bool:
+        """Sampling from `softmax(logits / temperature)` itself: no filter, no penalty, not greedy."""
+        return (
+            self.temperature > 0
+            and self.top_k in (0, -1)
+            and self.top_p == 1.0
+            and not self.min_p
+            and self.repetition_penalty == 1.0
+        )
 
 
 @dataclass(slots=True, eq=False)
@@ -235,6 +247,27 @@ class ContinuousBatch:
     @torch.inference_mode()  # the decoder's logits are inference tensors, overwritten here
     def _sample(self, logits: torch.Tensor, version: int) -> list[int]:
         """Draw one token for every row from `logits` (rows, vocab); returns the rows that finished."""
+        if self.sampling.temperature_only and cdf_draw.available():  # fused: two passes, no float32 copy
+            token, token_logprob = cdf_draw.draw(logits, self._uniforms(), self.sampling.temperature)
+        else:
+            token, token_logprob = self._sample_filtered(logits)
+        finished = []
+        for i, (row, t, lp) in enumerate(zip(self._rows, token.tolist(), token_logprob.tolist(), strict=True)):
+            row.tokens.append(t)
+            row.logprobs.append(lp)
+            row.versions.append(version)
+            if row.seen is not None:
+                row.seen[t] = True
+            if self._stop is not None and t not in self._eos:
+                row.stop_string = self._stop.found(row.tokens)
+            if t in self._eos or row.stop_string is not None or len(row.tokens) >= row.request.max_tokens:
+                finished.append(i)
+        self.counters["tokens"] += len(self._rows)
+        return finished
+
+    def _sample_filtered(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and their log-probabilities under any sampling options, through `sampling` (overwriting `logits`
+        where they are float32)."""
         options = self.sampling
         seen = torch.stack([row.seen for row in self._rows]) if options.repetition_penalty != 1.0 else None
         scores = sampling_scores(
@@ -249,26 +282,16 @@ class ContinuousBatch:
         )
         if options.temperature == 0.0:
             token = scores.argmax(dim=-1)
-            token_logprob = scores.gather(-1, token[:, None]).squeeze(-1) - scores.logsumexp(dim=-1)
-        else:
-            uniform = torch.rand(len(self._rows), generator=self._rng)
-            for i, row in enumerate(self._rows):
-                if row.generator is not None:
-                    uniform[i] = torch.rand((), generator=row.generator)
-            token, token_logprob = draw(scores, uniform, overwrite=True)
-        finished = []
-        for i, (row, t, lp) in enumerate(zip(self._rows, token.tolist(), token_logprob.tolist(), strict=True)):
-            row.tokens.append(t)
-            row.logprobs.append(lp)
-            row.versions.append(version)
-            if row.seen is not None:
-                row.seen[t] = True
-            if self._stop is not None and t not in self._eos:
-                row.stop_string = self._stop.found(row.tokens)
-            if t in self._eos or row.stop_string is not None or len(row.tokens) >= row.request.max_tokens:
-                finished.append(i)
-        self.counters["tokens"] += len(self._rows)
-        return finished
+            return token, scores.gather(-1, token[:, None]).squeeze(-1) - scores.logsumexp(dim=-1)
+        return draw(scores, self._uniforms(), overwrite=True)
+
+    def _uniforms(self) -> torch.Tensor:
+        """One uniform number per row: from the row's own seeded generator where its request has one."""
+        uniform = torch.rand(len(self._rows), generator=self._rng)
+        for i, row in enumerate(self._rows):
+            if row.generator is not None:
+                uniform[i] = torch.rand((), generator=row.generator)
+        return uniform
 
     def _compact(self, gone: set[int]) -> None:
         """Drop rows `gone`, moving the last running rows into their slots."""

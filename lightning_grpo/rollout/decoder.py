@@ -226,7 +226,7 @@ class Prefix:
 
     keys: tuple[torch.Tensor, ...]  # per layer (kv_heads, prompt_len, head_dim)
     values: tuple[torch.Tensor, ...]
-    logits: torch.Tensor  # (vocab,) raw logits of the first completion token
+    logits: torch.Tensor  # (vocab,) raw logits of the first completion token, in the model's dtype
     length: int
     serial: int = 0  # unique per prefix a decoder computed (0: none given)
 
@@ -367,7 +367,7 @@ class SlotDecoder:
             prompts: token ids of prompts to prefill (not written to any slot; see `load`).
 
         Returns:
-            the logits after each row's token (rows, vocab), and each prompt's `Prefix`.
+            the logits after each row's token (rows, vocab) in the model's dtype, and each prompt's `Prefix`.
         """
         rows = tokens.numel()
         if not rows and not prompts:  # every row just finished and the joining ones start from cached prompts
@@ -396,7 +396,6 @@ class SlotDecoder:
         logits = self._head(self._norm(hidden[last]))
         for logit_step in self._logit_steps:
             logits = logit_step(logits)
-        logits = logits.float()
         self.lengths[:rows] += 1
         prefixes = [
             Prefix(

@@ -27,6 +27,8 @@ typedef __m512 vec;
 #define vfmadd _mm512_fmadd_ps
 #define vround(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define vfloor(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+/* v where x >= limit, else 0 (a NaN x keeps v). */
+#define vzero_below(v, x, limit) _mm512_mask_mov_ps((v), _mm512_cmp_ps_mask((x), (limit), _CMP_LT_OQ), vzero())
 #define vpow2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
 /* 16 bf16 values from h, widened to float32 (a bf16 is a float32's upper half). */
 static inline vec widen(const uint16_t *h) {
@@ -67,6 +69,7 @@ typedef __m256 vec;
 #define vfmadd _mm256_fmadd_ps
 #define vround(x) _mm256_round_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define vfloor(x) _mm256_floor_ps(x)
+#define vzero_below(v, x, limit) _mm256_andnot_ps(_mm256_cmp_ps((x), (limit), _CMP_LT_OQ), (v))
 #define vpow2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
 static inline vec widen(const uint16_t *h) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
@@ -133,9 +136,10 @@ static inline float load1(const void *src, int64_t index, int bf16) {
 }
 
 /* exp(x) lane by lane, Cephes' polynomial: relative error ~2e-7. Above log(FLT_MAX) it is infinity, as expf's; below
-   -87.3 it stays at exp(-87.3) ~ 1e-38 where expf goes on down to 0. */
+   -87.3 (where expf's results are subnormal) it is 0, and exp(-inf) = 0. */
 static inline vec vexp(vec x) {
-    x = vmin(vmax(x, vset1(-87.3f)), vset1(88.8f));
+    const vec tiny = vset1(-87.3f), original = x;
+    x = vmin(vmax(x, tiny), vset1(88.8f));
     vec n = vround(vmul(x, vset1(1.44269504088896341f)));
     x = vsub(x, vmul(n, vset1(0.693359375f)));
     x = vsub(x, vmul(n, vset1(-2.12194440e-4f)));
@@ -147,7 +151,7 @@ static inline vec vexp(vec x) {
     y = vfmadd(y, x, vset1(5.0000001201e-1f));
     y = vfmadd(y, vmul(x, x), vadd(x, vset1(1.0f)));
     const vec half = vfloor(vmul(n, vset1(0.5f))); /* 2^n in two factors: n = 128 overflows only if the result does */
-    return vmul(vmul(y, vpow2(half)), vpow2(vsub(n, half)));
+    return vzero_below(vmul(vmul(y, vpow2(half)), vpow2(vsub(n, half))), original, tiny);
 }
 
 #endif

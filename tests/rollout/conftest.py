@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_grpo.rollout import decode_attention, layer_ops, native_build
+from lightning_grpo.rollout import cdf_draw, decode_attention, layer_ops, native_build
 
 
 def _clear_kernels() -> None:
-    decode_attention._load.cache_clear()
-    layer_ops._load.cache_clear()
+    for kernel in (cdf_draw, decode_attention, layer_ops):
+        kernel._load.cache_clear()
 
 
 @pytest.fixture(params=["native", "avx2"])

@@ -1,5 +1,5 @@
-"""The embedded generator's sampler is exact: tokens drawn the way a decode step draws them (`sampling_scores` then
-`draw`, both overwriting their input) follow the target distribution, computed here independently in float64 as vLLM
+"""The embedded generator's sampler is exact: tokens drawn the way a decode step draws them (the fused
+`cdf_draw.draw` with only a temperature, else `sampling_scores` then `draw`, both overwriting their input) follow the target distribution, computed here independently in float64 as vLLM
 defines it, by a chi-square test over many draws; and the log-probability recorded for each drawn token is the log
 of its target probability. Samplers with a known bias, written here as negative controls, fail the same checks.
 
@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_grpo.rollout import cdf_draw
+from lightning_grpo.rollout.batching import SamplingOptions
 from lightning_grpo.rollout.sampling import draw, sampling_scores
 
 SMALL_VOCAB, LARGE_VOCAB = 64, 49152
@@ -142,10 +144,14 @@ def _top_p_cut(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def decode_step_sampler(logits: torch.Tensor, options: Options, uniform: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """What `ContinuousBatch._sample` does for rows whose logits are all `logits`: `sampling_scores` on a batch of
-    the rows, then `draw` with one uniform per row, both in place on buffers of their own. The scores are computed
-    for a batch of 8 rows (each row's are its own) and copied to the drawn rows, which keeps the top-p sort off the
-    many draws."""
+    """What `ContinuousBatch._sample` does for rows whose logits are all `logits`: with only a temperature (where the
+    kernel runs), the fused `cdf_draw.draw` on the logits in their dtype; else `sampling_scores` on a batch of the
+    rows, then `draw` with one uniform per row, both in place on buffers of their own. The scores are computed for a
+    batch of 8 rows (each row's are its own) and copied to the drawn rows, which keeps the top-p sort off the many
+    draws."""
+    sampling = SamplingOptions(**{key: value for key, value in options.items() if key != "seen"})
+    if sampling.temperature_only and cdf_draw.available():
+        return _draw_in_chunks(logits, uniform, lambda chunk, u: cdf_draw.draw(chunk, u, sampling.temperature))
     rows = 8
     seen = options.get("seen")
     keywords = {key: value for key, value in options.items() if key != "seen"}
