@@ -187,7 +187,6 @@ class _Layer:
             self.down = _Linear(mlp.down_proj, packed)
             self.linears += [self.gate_up, self.down]
             self.act = getattr(mlp, "act_fn", None) or mlp.activation_fn
-            self.act_mul = layer_ops.act_mul_for(self.act, widths[0], dtype) or self._act_mul
             self.mlp = self._gated_mlp
         else:
             self._block = mlp
@@ -201,10 +200,7 @@ class _Layer:
     def _gated_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The model's MLP branch: `down(act(gate(x)) * up(x))` between the layer's norms."""
         gate, up = self.gate_up(self.pre_mlp(x))
-        return self.post_mlp(self.down(self.act_mul(gate, up)))
-
-    def _act_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return self.act(gate) * up
+        return self.post_mlp(self.down(self.act(gate) * up))
 
     def _block_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The model's MLP module on the step's tokens, as one sequence (its router picks experts per token)."""

@@ -1,5 +1,5 @@
 /* The small operations between a decode step's products, each fused into one pass (float32 or bfloat16 tensors):
- * the RMS norm of Llama-like models, the rotation of queries and keys by half their head dim, and SiLU(gate) * up.
+ * the RMS norm of Llama-like models and the rotation of queries and keys by half their head dim.
  *
  * Each computes in float32 and rounds to the tensors' dtype wherever torch's sequence of operations would (bf16: to
  * nearest, ties to even), so a result differs from torch's only where a float32 sum is added up in another order.
@@ -85,25 +85,6 @@ int rotate(const void *q, int64_t q_stride, const void *k, int64_t k_stride, con
             rotate_head(q, r * q_stride + h * dim, cos, sin, r * dim, q_out, (r * heads + h) * dim, dim, bf16);
         for (int64_t h = 0; h < kv_heads; ++h)
             rotate_head(k, r * k_stride + h * dim, cos, sin, r * dim, k_out, (r * kv_heads + h) * dim, dim, bf16);
-    }
-    return 0;
-}
-
-/* out (rows, width), contiguous = round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g)). */
-int silu_mul(const void *gate, int64_t gate_stride, const void *up, int64_t up_stride, void *out, int64_t rows,
-             int64_t width, int bf16) {
-    const vec one = vset1(1.0f), zero = vzero();
-    for (int64_t r = 0; r < rows; ++r) {
-        int64_t c = 0;
-        for (; c + LANES <= width; c += LANES) {
-            const vec g = load_vec(gate, r * gate_stride + c, bf16);
-            const vec silu = round_to(vdiv(g, vadd(one, vexp(vsub(zero, g)))), bf16);
-            store_vec(out, r * width + c, vmul(silu, load_vec(up, r * up_stride + c, bf16)), bf16);
-        }
-        for (; c < width; ++c) {
-            const float g = load1(gate, r * gate_stride + c, bf16);
-            store1(out, r * width + c, round1(g / (1.0f + expf(-g)), bf16) * load1(up, r * up_stride + c, bf16), bf16);
-        }
     }
     return 0;
 }

@@ -1,6 +1,5 @@
-"""The small operations between a decode step's products, each fused into one pass (`layer_ops.c`): Llama's RMS
-norm, the rotation of queries and keys by half their head dim (`apply_rotary_pos_emb`), and `act(gate) * up` with
-SiLU.
+"""Two of the small operations between a decode step's products, each fused into one pass (`layer_ops.c`): Llama's
+RMS norm and the rotation of queries and keys by half their head dim (`apply_rotary_pos_emb`).
 
 Between its products, a decode layer runs about thirty of torch's elementwise operations on a few dozen rows, and
 each costs more to dispatch than to compute. A fused operation computes in float32 and rounds to the tensors' dtype
@@ -8,7 +7,7 @@ wherever torch's sequence of operations would, so it differs from torch's only w
 another order (a bf16 ulp, rarely).
 
 The decoder fuses a model's module or function only where the fused operation matches it on a probe (`norm_for`,
-`rotation_for`, `act_mul_for`), so a family whose norm differs (Gemma's `1 + weight`, a bias) or whose rotation
+`rotation_for`), so a family whose norm differs (Gemma's `1 + weight`, a bias) or whose rotation
 covers part of the head keeps its own. The kernel is C, compiled on first use (`native_build`); where it cannot run
 (not x86 with AVX2 and FMA, no compiler, a failed build, or `LIGHTNING_GRPO_LAYER_OPS=0`) nothing is fused and
 `unavailable_reason()` says why (logged once).
@@ -40,7 +39,6 @@ _POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "rms_norm": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _FLOAT, ctypes.c_int],
     "rotate": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, *[_INT] * 4, ctypes.c_int],
-    "silu_mul": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT, ctypes.c_int],
 }
 
 Rotation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -85,17 +83,6 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return q_out, k_out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` of two (rows, width) tensors (rows may be strided), rounded as torch rounds; a new
-    contiguous tensor."""
-    _check_rows("silu_mul", gate, up)
-    rows, width = gate.shape
-    out = torch.empty(rows, width, dtype=gate.dtype)
-    _call("silu_mul", gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), rows, width,
-          _bf16(gate))  # fmt: skip
-    return out
-
-
 def norm_for(module: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype) -> Callable | None:
     """A fused stand-in for the norm `module` over `width` features in `dtype`: `rms_norm` with the module's
     `weight` (read at each call, so weights copied in later are used) and epsilon, where it matches the module on a
@@ -128,16 +115,6 @@ def rotation_for(
     return rotate if _matches(rotate, model_rotation, [q, k, cos, sin], pairs=True) else None
 
 
-def act_mul_for(act: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype) -> Callable | None:
-    """`silu_mul` where it matches `act(gate) * up` on a probe of `width` features in `dtype`; else None."""
-
-    def model_act_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return act(gate) * up
-
-    probes = [_probe(dtype, _PROBE_ROWS, width) * 4, _probe(dtype, _PROBE_ROWS, width)]  # gates well past +-1
-    return silu_mul if _matches(silu_mul, model_act_mul, probes) else None
-
-
 def _matches(fused: Callable, model: Callable, probes: list[torch.Tensor], pairs: bool = False) -> bool:
     """Whether `fused` runs here and gives what `model` gives on `probes`, within `PROBE_TOLERANCE`."""
     dtype = probes[0].dtype
@@ -160,19 +137,22 @@ def _probe(dtype: torch.dtype, *shape: int) -> torch.Tensor:
 
 
 def _check_rows(operation: str, *tensors: torch.Tensor) -> None:
+    """Refuse what the kernels cannot read: mixed or other dtypes, a strided last dimension, strided heads, a strided
+    cos or sin (a plain loop: this runs several times a layer)."""
     dtype = tensors[0].dtype
-    if dtype not in DTYPES or any(t.dtype != dtype or t.stride(-1) != 1 or t.device.type != "cpu" for t in tensors):
-        raise ValueError(
-            f"layer_ops.{operation} takes CPU tensors of one dtype in {DTYPES} whose last dimension is contiguous; got "
-            f"{[(str(t.dtype), tuple(t.stride())) for t in tensors]}. Call the model's own operation."
-        )
-    if any(t.stride(-2) != t.shape[-1] for t in tensors if t.dim() == 3) or any(
-        not t.is_contiguous() for t in tensors[2:] if operation == "rotate"
-    ):
-        raise ValueError(
-            f"layer_ops.{operation} needs contiguous heads, and contiguous cos and sin; got strides "
-            f"{[tuple(t.stride()) for t in tensors]}."
-        )
+    for index, t in enumerate(tensors):
+        if t.dtype != dtype or dtype not in DTYPES or t.stride(-1) != 1 or t.device.type != "cpu":
+            raise ValueError(
+                f"layer_ops.{operation} takes CPU tensors of one dtype in {DTYPES} whose last dimension is contiguous; "
+                f"got {[(str(t.dtype), tuple(t.stride())) for t in tensors]}. Call the model's own operation."
+            )
+        if (t.dim() == 3 and t.stride(1) != t.shape[2]) or (
+            operation == "rotate" and index > 1 and not t.is_contiguous()
+        ):
+            raise ValueError(
+                f"layer_ops.{operation} needs contiguous heads, and contiguous cos and sin; got strides "
+                f"{[tuple(t.stride()) for t in tensors]}."
+            )
 
 
 def _bf16(x: torch.Tensor) -> int:

@@ -1,4 +1,4 @@
-"""The fused operations between a decode step's products (`rollout/layer_ops.c`): each against the model's own torch
+"""The fused norm and rotation between a decode step's products (`rollout/layer_ops.c`): each against the model's own torch
 operations on strided inputs with leftover widths, in both dtypes and both vector builds; the probes that decide
 where the decoder uses them; the inputs they refuse; and the switch that turns them off."""
 
@@ -19,7 +19,7 @@ from helpers.model_zoo import zoo_model  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(not layer_ops.available(), reason=f"{layer_ops.unavailable_reason()}")
 DTYPES = [torch.float32, torch.bfloat16]
-#: float32: sums added up in another order (and exp's last bits for SiLU).
+#: float32: sums added up in another order.
 FLOAT32_RTOL = 2e-6
 
 
@@ -69,23 +69,15 @@ def test_rotate_is_llamas_apply_rotary_pos_emb_bit_for_bit(dtype, heads, kv_head
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("width", [1536, 100, 9])
-def test_silu_mul_is_silu_of_the_gate_times_up(dtype, width, vector_build):
-    gate, up = strided(6, width, dtype, seed=width, scale=6.0), strided(6, width, dtype, seed=width + 1)
-    gate[0, :3] = torch.tensor([-100.0, 100.0, 0.0]).to(dtype)  # exp's clamps, and 0
-    assert_torchs_within_rounding(layer_ops.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_a_nan_stays_a_nan(dtype):
     x = strided(2, 24, dtype, seed=0)
     x[1, 5] = float("nan")
     out = layer_ops.rms_norm(x, torch.ones(24, dtype=dtype), 1e-6)
     assert out[1].isnan().all() and not out[0].isnan().any()
-    gate = strided(2, 24, dtype, seed=1)
-    gate[0, 7] = float("nan")
-    assert layer_ops.silu_mul(gate, torch.ones(2, 24, dtype=dtype)).isnan().nonzero().tolist() == [[0, 7]]
+    q = strided(2, 2 * 8, dtype, seed=1).view(2, 2, 8)
+    q[0, 1, 2] = float("nan")  # rotates into positions 2 and 6 of its head
+    rotated, _ = layer_ops.rotate(q, q[:, :1], torch.ones(2, 8, dtype=dtype), torch.ones(2, 8, dtype=dtype))
+    assert rotated.isnan().nonzero().tolist() == [[0, 1, 2], [0, 1, 6]]
 
 
 @needs_kernel
@@ -97,8 +89,6 @@ def test_the_probes_take_llamas_operations_and_refuse_other_formulas():
     assert layer_ops.norm_for(gemma_norm, 32, bf16) is None
     assert layer_ops.norm_for(torch.nn.LayerNorm(32).to(bf16), 32, bf16) is None  # centred, with a bias
     assert layer_ops.norm_for(llama_norm.half(), 32, torch.float16) is None  # a dtype the kernels do not take
-    assert layer_ops.act_mul_for(torch.nn.SiLU(), 64, bf16) is layer_ops.silu_mul
-    assert layer_ops.act_mul_for(torch.nn.GELU(approximate="tanh"), 64, bf16) is None
     cos, sin = torch.rand(3, 16).to(bf16), torch.rand(3, 16).to(bf16)
     rope = modeling_llama.apply_rotary_pos_emb
     assert layer_ops.rotation_for(rope, cos, sin, 4, 2, head_dim=16) is layer_ops.rotate
@@ -118,11 +108,10 @@ def test_the_probes_take_llamas_operations_and_refuse_other_formulas():
 def test_the_decoder_fuses_what_matches_each_family_and_keeps_the_rest():
     llama = SlotDecoder(zoo_model("llama", dtype=torch.bfloat16).eval())
     layer = llama._layers[0]
-    assert layer.act_mul is layer_ops.silu_mul and llama._rotate is layer_ops.rotate
+    assert llama._rotate is layer_ops.rotate
     assert not isinstance(layer.pre_attention, torch.nn.Module) and not isinstance(layer.pre_mlp, torch.nn.Module)
     gemma = SlotDecoder(zoo_model("gemma").eval())
     assert isinstance(gemma._layers[0].pre_attention, torch.nn.Module)  # 1 + weight: its own norm
-    assert gemma._layers[0].act_mul is not layer_ops.silu_mul  # GELU
     cohere = SlotDecoder(zoo_model("cohere").eval())
     assert cohere._rotate is not layer_ops.rotate  # interleaved pairs
     phi3 = SlotDecoder(zoo_model("phi3", partial_rotary_factor=0.5).eval())
@@ -147,10 +136,10 @@ def test_switched_off_nothing_is_fused(monkeypatch):
     try:
         assert not layer_ops.available() and layer_ops.unavailable_reason() == f"{layer_ops.ENV_SWITCH}=0"
         with pytest.raises(RuntimeError, match="cannot run here: LIGHTNING_GRPO_LAYER_OPS=0"):
-            layer_ops.silu_mul(torch.zeros(1, 8), torch.zeros(1, 8))
+            layer_ops.rms_norm(torch.zeros(1, 8), torch.zeros(8), 1e-6)
         decoder = SlotDecoder(zoo_model("llama").eval())
         assert isinstance(decoder._layers[0].pre_attention, torch.nn.Module)
-        assert decoder._layers[0].act_mul is not layer_ops.silu_mul and decoder._rotate is not layer_ops.rotate
+        assert decoder._rotate is not layer_ops.rotate
     finally:
         monkeypatch.undo()
         layer_ops._load.cache_clear()
