@@ -83,7 +83,8 @@ def test_draw_is_unbiased_over_many_draws(drawer):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_the_fused_draw_is_draw_of_the_scaled_scores_and_their_log_softmax(dtype, temperature, vector_build):
     """Strided bf16 or float32 logits, read as they are: the same tokens as `draw` on `sampling_scores` (but where a
-    uniform falls within float32 rounding of a CDF step) and the log-probability `log_softmax` gives them."""
+    uniform falls within float32 rounding of a CDF step) and the log-probability `log_softmax` gives them (to 1e-5,
+    well inside the generator's 1e-4)."""
     if not cdf_draw.available():
         pytest.skip(f"{cdf_draw.unavailable_reason()}")
     generator = torch.Generator().manual_seed(3)
@@ -93,7 +94,7 @@ def test_the_fused_draw_is_draw_of_the_scaled_scores_and_their_log_softmax(dtype
     expected, _ = draw(sampling_scores(logits, temperature), uniform)
     assert (token == expected).float().mean() >= 0.95
     log_softmax = process_logits(logits, temperature).gather(-1, token[:, None]).squeeze(-1)
-    torch.testing.assert_close(logprob, log_softmax, atol=2e-6, rtol=0)
+    torch.testing.assert_close(logprob, log_softmax, atol=1e-5, rtol=0)  # float32 sums of 5000 in another order
     with pytest.raises(ValueError, match="temperature > 0; got .* temperature 0.0. Use sampling.draw"):
         cdf_draw.draw(logits, uniform, 0.0)
 
