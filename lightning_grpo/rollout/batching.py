@@ -247,7 +247,8 @@ class ContinuousBatch:
     @torch.inference_mode()  # the decoder's logits are inference tensors, overwritten here
     def _sample(self, logits: torch.Tensor, version: int) -> list[int]:
         """Draw one token for every row from `logits` (rows, vocab); returns the rows that finished."""
-        if self.sampling.temperature_only and cdf_draw.available():  # fused: two passes, no float32 copy
+        fused = self.sampling.temperature_only and logits.dtype in cdf_draw.DTYPES and cdf_draw.available()
+        if fused:  # two passes over the logits as they are, no float32 copy
             token, token_logprob = cdf_draw.draw(logits, self._uniforms(), self.sampling.temperature)
         else:
             token, token_logprob = self._sample_filtered(logits)

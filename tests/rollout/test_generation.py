@@ -140,6 +140,16 @@ def test_seeded_request_gives_the_same_completion_alone_or_in_a_batch():
     assert alone.token_ids != other_seed.token_ids
 
 
+def test_a_float16_policy_samples_through_torchs_sampler():
+    """The fused sampler reads float32 and bf16 logits; a float16 policy's go through `sampling` (as float32), and its
+    log-probabilities are a teacher-forced float16 forward's (to float16's resolution)."""
+    with EmbeddedGenerator(tiny_llama(seed=0).half(), eos_token_ids=[], max_tokens=6) as generator:
+        output = asyncio.run(generator.generate(PROMPTS[0], seed=3))
+    reference = teacher_forced_logprobs(tiny_llama(seed=0).half(), PROMPTS[0], output.token_ids)
+    assert len(output.token_ids) == 6
+    torch.testing.assert_close(torch.tensor(output.logprobs), reference, atol=2e-2, rtol=0)
+
+
 def test_greedy_decoding_follows_the_argmax_of_a_full_forward():
     reference = tiny_llama(seed=0)
     with EmbeddedGenerator(tiny_llama(seed=0), eos_token_ids=[], temperature=0.0, max_tokens=12) as generator:
