@@ -8,9 +8,9 @@ The kernel reads every cached key and value once, in place, for all the query he
 float32, and rounds the output once. Rows whose slots start with the same prompt (`RowGroups`: the completions of
 a GRPO group) read that prompt's keys and values once for all of them.
 
-It needs an x86-64 CPU with AVX2 and FMA and a C compiler (`native_build`); `available()` says whether it runs here
-and `unavailable_reason()` why not (`LIGHTNING_GRPO_DECODE_ATTENTION=0` turns it off). The decoder then runs torch's
-operations instead.
+It needs an x86-64 CPU with AVX2 and FMA and a C compiler (`native_build`; 16-lane AVX-512 code where torch runs
+AVX-512); `available()` says whether it runs here and `unavailable_reason()` why not
+(`LIGHTNING_GRPO_DECODE_ATTENTION=0` turns it off). The decoder then runs torch's operations instead.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The embedded generator's C kernels (`small_matmul.c`, `decode_attention.c`, `layer_ops.c`, sharing `simd.h`):
-compiled on first use and loaded.
+"""The embedded generator's C kernels (`small_matmul.c`, `decode_attention.c`, `layer_ops.c`, `cdf_draw.c`, sharing
+`simd.h`): compiled on first use and loaded.
 
 Each kernel is compiled with the system's C compiler (`$CC`, else `cc`, else `gcc`) into `<cache>/kernels/`
 (`$LIGHTNING_GRPO_CACHE`, default `~/.cache/lightning_grpo`), once per source (with the headers beside it), flags and
-compiler; a build takes about a second. They need an x86-64 CPU with AVX2 and FMA. Where a kernel cannot run, `load` says why, and its caller runs
-torch's own operations instead.
+compiler; a build takes about a second. They need an x86-64 CPU with AVX2 and FMA. Where a kernel cannot run, `load`
+says why, and its caller runs torch's own operations instead.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def compiler() -> str | None:
 
 def build(source: Path, wide: bool = False) -> Path:
     """The shared library of `source`, compiled with `flags(wide)` into the cache folder unless a build of the same
-    source, flags and compiler is there. Concurrent builds (several processes starting at once) each write their own file and rename
-    it into place."""
+    source, flags and compiler is there. Concurrent builds (several processes starting at once) each write their own
+    file and rename it into place."""
     from ..models.smollm2 import default_cache_dir
 
     cc = compiler()

@@ -1,15 +1,25 @@
-"""Fixtures of the rollout tests: the generator's C kernels in each build this CPU can run."""
+"""Fixtures of the rollout tests: the generator's C kernels loaded afresh, and in each build this CPU can run."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_grpo.rollout import cdf_draw, decode_attention, layer_ops, native_build
+from lightning_grpo.rollout import cdf_draw, decode_attention, layer_ops, native_build, small_matmul
 
 
 def _clear_kernels() -> None:
-    for kernel in (cdf_draw, decode_attention, layer_ops):
+    for kernel in (cdf_draw, decode_attention, layer_ops, small_matmul):
         kernel._load.cache_clear()
+
+
+@pytest.fixture
+def fresh_kernel_state(monkeypatch):
+    """Lets a test load the kernels again under its own environment (the monkeypatch it yields), and restores the
+    suite's afterwards."""
+    _clear_kernels()
+    yield monkeypatch
+    monkeypatch.undo()
+    _clear_kernels()
 
 
 @pytest.fixture(params=["native", "avx2"])

@@ -37,15 +37,6 @@ def torch_threads(threads: int):
         torch.set_num_threads(previous)
 
 
-@pytest.fixture
-def fresh_kernel_state(monkeypatch):
-    """Lets a test load the kernel again under its own environment, and restores the suite's afterwards."""
-    decode_attention._load.cache_clear()
-    yield monkeypatch
-    monkeypatch.undo()
-    decode_attention._load.cache_clear()
-
-
 def reference(q, k, v, keys, values, lengths, scale, window=None, softcap=None):
     """float64 attention of each row to its slot after writing its key and value; (out, keys, values)."""
     keys, values = keys.clone(), values.clone()

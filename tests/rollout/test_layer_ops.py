@@ -130,16 +130,11 @@ def test_bad_inputs_are_refused_naming_them():
         layer_ops.rotate(torch.zeros(3, 8, 8)[:, ::2], k, torch.zeros(3, 8), torch.zeros(3, 8))  # heads 16 apart
 
 
-def test_switched_off_nothing_is_fused(monkeypatch):
-    layer_ops._load.cache_clear()
-    monkeypatch.setenv(layer_ops.ENV_SWITCH, "0")
-    try:
-        assert not layer_ops.available() and layer_ops.unavailable_reason() == f"{layer_ops.ENV_SWITCH}=0"
-        with pytest.raises(RuntimeError, match="cannot run here: LIGHTNING_GRPO_LAYER_OPS=0"):
-            layer_ops.rms_norm(torch.zeros(1, 8), torch.zeros(8), 1e-6)
-        decoder = SlotDecoder(zoo_model("llama").eval())
-        assert isinstance(decoder._layers[0].pre_attention, torch.nn.Module)
-        assert decoder._rotate is not layer_ops.rotate
-    finally:
-        monkeypatch.undo()
-        layer_ops._load.cache_clear()
+def test_switched_off_nothing_is_fused(fresh_kernel_state):
+    fresh_kernel_state.setenv(layer_ops.ENV_SWITCH, "0")
+    assert not layer_ops.available() and layer_ops.unavailable_reason() == f"{layer_ops.ENV_SWITCH}=0"
+    with pytest.raises(RuntimeError, match="cannot run here: LIGHTNING_GRPO_LAYER_OPS=0"):
+        layer_ops.rms_norm(torch.zeros(1, 8), torch.zeros(8), 1e-6)
+    decoder = SlotDecoder(zoo_model("llama").eval())
+    assert isinstance(decoder._layers[0].pre_attention, torch.nn.Module)
+    assert decoder._rotate is not layer_ops.rotate

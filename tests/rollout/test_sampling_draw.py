@@ -113,13 +113,8 @@ def test_overwriting_draw_gives_what_a_copying_draw_gives_and_only_overwrites_wh
     torch.testing.assert_close(owned_logprob, logprob, atol=1e-6, rtol=0)
 
 
-def test_switched_off_the_fused_draw_refuses_and_says_why(monkeypatch):
-    cdf_draw._load.cache_clear()
-    monkeypatch.setenv(cdf_draw.ENV_SWITCH, "0")
-    try:
-        assert not cdf_draw.available() and cdf_draw.unavailable_reason() == f"{cdf_draw.ENV_SWITCH}=0"
-        with pytest.raises(RuntimeError, match="cannot run here: LIGHTNING_GRPO_CDF_DRAW=0"):
-            cdf_draw.draw(torch.zeros(1, 8), torch.zeros(1))
-    finally:
-        monkeypatch.undo()
-        cdf_draw._load.cache_clear()
+def test_switched_off_the_fused_draw_refuses_and_says_why(fresh_kernel_state):
+    fresh_kernel_state.setenv(cdf_draw.ENV_SWITCH, "0")
+    assert not cdf_draw.available() and cdf_draw.unavailable_reason() == f"{cdf_draw.ENV_SWITCH}=0"
+    with pytest.raises(RuntimeError, match="cannot run here: LIGHTNING_GRPO_CDF_DRAW=0"):
+        cdf_draw.draw(torch.zeros(1, 8), torch.zeros(1))

@@ -21,15 +21,6 @@ x86_with_avx2 = platform.machine().lower() in {"x86_64", "amd64"} and torch.back
 needs_kernel = pytest.mark.skipif(not small_matmul.available(), reason=f"{small_matmul.unavailable_reason()}")
 
 
-@pytest.fixture
-def fresh_kernel_state(monkeypatch):
-    """Lets a test load the kernel again under its own environment, and restores the suite's afterwards."""
-    small_matmul._load.cache_clear()
-    yield monkeypatch
-    monkeypatch.undo()
-    small_matmul._load.cache_clear()
-
-
 def test_the_kernel_runs_on_an_x86_cpu_with_avx2_and_a_c_compiler():
     if not (x86_with_avx2 and (shutil.which("cc") or shutil.which("gcc"))):
         pytest.skip("not an x86 CPU with AVX2 and a C compiler: the kernel is not expected here")
