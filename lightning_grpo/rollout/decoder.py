@@ -9,13 +9,13 @@ slot of every sample of that prompt (one prefill per distinct prompt, whatever t
 
 The modules are the Hugging Face model's own (embeddings, norms, projections, MLP, rotary embedding, LM head), so
 weights copied into the model in place are used at the next step; the cache and the attention over it are ours, and
-a step of up to `small_matmul.MAX_ROWS` tokens runs the linear layers through the small-batch kernel where it is
-available (same weights, the same products summed in another order); a bf16 model runs them through oneDNN with
-pre-packed weights where this CPU has its bf16 kernels, q, k and v stacked into one product and gate and up into
-another (fewer, wider products; each output the same sum), and a fused projection (Phi-3's `qkv_proj`,
-`gate_up_proj`) is one product cut into its parts. Supported: the families of `architectures.ARCHITECTURES` (Llama,
-Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3, OLMo 2, OLMo 3, Granite, SmolLM3, Cohere, Qwen3-MoE,
-Mixtral), whose differences (norm placement, rotary embedding per layer type or none, sliding-window layers, q/k
+the linear layers run as `decode_linears` picks (same weights, the same products summed in another order): through
+the small-batch kernel for a float32 step of up to `small_matmul.MAX_ROWS` tokens, and for a bf16 model on weights
+laid out once, on AMX tiles where the CPU has them (`tile_matmul`), else through oneDNN; q, k and v are stacked into
+one product and gate and up into another (fewer, wider products; each output the same sum), and a fused projection
+(Phi-3's `qkv_proj`, `gate_up_proj`) is one product cut into its parts. Supported: the families of
+`architectures.ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3, OLMo 2, OLMo 3, Granite,
+SmolLM3, Cohere, Qwen3-MoE, Mixtral), whose differences (norm placement, rotary embedding per layer type or none, sliding-window layers, q/k
 norms, parallel branches, softcapping, scalar multipliers) that table holds, resolved per layer when the decoder is
 built; a mixture-of-experts block is the model's own module, called on the step's tokens. A sliding-window layer
 masks the cache positions outside its window; the cache itself keeps every position. Softcapped attention scores
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from ..models.packed_matmul import pack_weight, packed_linear
-from . import decode_attention, layer_ops, small_matmul
+from . import decode_attention, layer_ops
 from .architectures import ARCHITECTURES, LayerPlan, Scalars, architecture_of, layer_plans, scalars_of
+from .decode_linears import PACK_MIN_NUMEL, Linear, Separate, Split, Stacked, projections
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -48,108 +48,6 @@ _POSITION_STEP = 64
 # Serial numbers of the prefixes a decoder computes (0 is a slot holding none): rows loaded from the same one share
 # their slots' first positions, which the attention kernel reads once for all of them.
 _PREFIX_SERIALS = itertools.count(1)
-# The smallest LM head worth packing (a vocabulary of thousands of tokens; smaller layers run slower packed, measured
-# on fp32 CPUs).
-_PACK_MIN_NUMEL = 1 << 22
-
-
-class _Linear:
-    """A `nn.Linear` of the model as a decode step runs it: through the small-batch kernel (`small_matmul`) when it
-    is available and takes the step's rows; else through oneDNN with its weight pre-packed when asked (in fp32 about
-    twice as fast as the default CPU GEMM for a vocabulary-sized LM head, in bf16 faster for every layer); else
-    the module.
-    `pack()` re-packs after the module's weight changed in place. The weight is read from the module at each call,
-    so weights copied into the model are used at the next step."""
-
-    def __init__(self, module: torch.nn.Module, packed: bool = False) -> None:
-        self.module = module
-        # a subclass (a LoRA or quantised layer) computes more than `x @ weight.T + bias`
-        self._small = type(module) is torch.nn.Linear and small_matmul.available()
-        self._packed: torch.Tensor | None = None
-        self._use_packed = packed and type(module) is torch.nn.Linear  # for steps the kernel does not take
-        self.pack()
-
-    def pack(self) -> None:
-        if self._use_packed:
-            with torch.inference_mode():
-                self._packed = pack_weight(self.module.weight.detach())
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._small and small_matmul.applies(x, self.module.weight, self.module.bias):
-            return small_matmul.linear(x, self.module.weight, self.module.bias)
-        if self._packed is None:
-            return self.module(x)
-        return packed_linear(x, self._packed, self.module.bias)
-
-
-class _Stacked:
-    """Linear layers that read the same input (q, k and v; gate and up) run as one oneDNN product over their weights
-    stacked and pre-packed: one wide product instead of several narrow ones, each output the same sum. Returns each
-    layer's output (column slices of one tensor). `pack()` re-stacks after the modules' weights changed in place."""
-
-    def __init__(self, modules: list[torch.nn.Module]) -> None:
-        self.modules = modules
-        self._widths = [module.out_features for module in modules]
-        self.pack()
-
-    @staticmethod
-    def applies(modules: list[torch.nn.Module], packed: bool) -> bool:
-        """Whether `modules` can run stacked: packed, plain `nn.Linear`s (a LoRA or quantised layer computes more),
-        all with a bias or none."""
-        plain = all(type(module) is torch.nn.Linear for module in modules)
-        return packed and plain and len({module.bias is None for module in modules}) == 1
-
-    def pack(self) -> None:
-        with torch.inference_mode():
-            self._packed = pack_weight(torch.cat([module.weight.detach() for module in self.modules]))
-            biased = self.modules[0].bias is not None
-            self._bias = torch.cat([module.bias.detach() for module in self.modules]) if biased else None
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return packed_linear(x, self._packed, self._bias).split(self._widths, dim=-1)
-
-
-class _Separate:
-    """Linear layers that read the same input, each run as its `_Linear` (where `_Stacked` does not apply)."""
-
-    def __init__(self, modules: list[torch.nn.Module], packed: bool) -> None:
-        self._linears = [_Linear(module, packed) for module in modules]
-
-    def pack(self) -> None:
-        for linear in self._linears:
-            linear.pack()
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(linear(x) for linear in self._linears)
-
-
-class _Split:
-    """One linear layer whose output is several layers' (Phi-3's `qkv_proj`, `gate_up_proj`): one product, returned
-    as its column slices of `widths`."""
-
-    def __init__(self, module: torch.nn.Module, widths: list[int], packed: bool) -> None:
-        self._linear = _Linear(module, packed)
-        self._widths = widths
-
-    def pack(self) -> None:
-        self._linear.pack()
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self._linear(x).split(self._widths, dim=-1)
-
-
-def _same_input(modules: list[torch.nn.Module], packed: bool) -> _Stacked | _Separate:
-    return _Stacked(modules) if _Stacked.applies(modules, packed) else _Separate(modules, packed)
-
-
-def _projections(
-    owner: torch.nn.Module, names: tuple[str, ...], fused: str, widths: list[int], packed: bool
-) -> _Stacked | _Separate | _Split:
-    """The projections `names` of `owner` as one callable returning each one's output, from its fused layer
-    `fused` where the family has one."""
-    if isinstance(getattr(owner, fused, None), torch.nn.Module):
-        return _Split(getattr(owner, fused), widths, packed)
-    return _same_input([getattr(owner, name) for name in names], packed)
 
 
 class _Scaled:
@@ -163,8 +61,8 @@ class _Scaled:
 
 
 class _Layer:
-    """One decoder layer's modules: its linear layers wrapped as `_Linear` (pre-packed with `packed`; q, k and v,
-    and gate and up, stacked where `_Stacked` applies, split from one product where the family fuses them), its
+    """One decoder layer's modules: its linear layers wrapped as `Linear` (pre-packed with `packed`; q, k and v,
+    and gate and up, stacked where `Stacked` applies, split from one product where the family fuses them), its
     norms as its plan names them (a residual multiplier folded into the branch outputs), and the rest of its `plan`.
     `widths` are q's, k's and v's (to split a fused projection). An MLP without gate, up and down projections (a
     mixture of experts) is the model's module, called as is."""
@@ -178,13 +76,13 @@ class _Layer:
             for index in (1, 3):
                 norms[index] = _Scaled(norms[index], plan.residual_multiplier)
         self.pre_attention, self.post_attention, self.pre_mlp, self.post_mlp = norms
-        self.qkv = _projections(attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj", widths, packed)
-        self.o = _Linear(attention.o_proj, packed)
-        self.linears: list[_Linear | _Stacked | _Separate | _Split] = [self.qkv, self.o]
+        self.qkv = projections(attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj", widths, packed)
+        self.o = Linear(attention.o_proj, packed)
+        self.linears: list[Linear | Stacked | Separate | Split] = [self.qkv, self.o]
         if hasattr(mlp, "down_proj"):
             widths = [mlp.down_proj.in_features] * 2
-            self.gate_up = _projections(mlp, ("gate_proj", "up_proj"), "gate_up_proj", widths, packed)
-            self.down = _Linear(mlp.down_proj, packed)
+            self.gate_up = projections(mlp, ("gate_proj", "up_proj"), "gate_up_proj", widths, packed)
+            self.down = Linear(mlp.down_proj, packed)
             self.linears += [self.gate_up, self.down]
             self.act = getattr(mlp, "act_fn", None) or mlp.activation_fn
             self.mlp = self._gated_mlp
@@ -242,10 +140,11 @@ class SlotDecoder:
 
     Args:
         model: a causal LM of a supported type (`check_supported`), in eval mode.
-        packed: run linear layers through oneDNN with pre-packed weights (`models.packed_matmul.packing_available`): in fp32 a large LM
-            head (the small-batch kernel takes the layers' few rows), in bf16 every linear layer (oneDNN's packed bf16
-            products beat its plain ones at every row count), the projections that read the same input stacked;
-            call `repack()` after the model's weights change.
+        packed: run linear layers on weights laid out once (`decode_linears.packed_product`; pass
+            `models.packed_matmul.packing_available(dtype)`): in fp32 a large LM head (the small-batch kernel takes
+            the layers' few rows), in bf16 every linear layer (AMX tiles or oneDNN's packed bf16 products beat the
+            plain ones at every row count), the projections that read the same input stacked; call `repack()` after
+            the model's weights change.
     """
 
     def __init__(self, model: PreTrainedModel, packed: bool = False) -> None:
@@ -260,7 +159,7 @@ class SlotDecoder:
         self.head_dim = base.layers[0].self_attn.head_dim
         widths = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
         layers = list(base.layers)[: config.num_hidden_layers]
-        # bf16 has no small-batch kernel, and oneDNN's packed bf16 products are faster than its plain ones
+        # bf16 has no small-batch kernel, and packed bf16 products are faster than plain ones
         pack_layers = packed and model.dtype == torch.bfloat16
         self._layers = [
             _Layer(layer, plan, widths, pack_layers) for layer, plan in zip(layers, layer_plans(config), strict=True)
@@ -268,7 +167,7 @@ class SlotDecoder:
         parallel = architecture_of(config).parallel_branches
         self._run_layer = self._parallel_layer if parallel else self._sequential_layer
         head = model.lm_head
-        self._head = _Linear(head, packed and (pack_layers or head.weight.numel() >= _PACK_MIN_NUMEL))
+        self._head = Linear(head, packed and (pack_layers or head.weight.numel() >= PACK_MIN_NUMEL))
         self._logit_steps = _logit_steps(scalars)
         self._vocab_size = head.weight.shape[0]
         attention = self._layers[0].attention

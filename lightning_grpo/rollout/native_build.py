@@ -1,5 +1,5 @@
-"""The embedded generator's C kernels (`small_matmul.c`, `decode_attention.c`, `layer_ops.c`, `cdf_draw.c`, sharing
-`simd.h`): compiled on first use and loaded.
+"""The embedded generator's C kernels (`small_matmul.c`, `tile_matmul.c`, `decode_attention.c`, `layer_ops.c`,
+`cdf_draw.c`, sharing `simd.h`): compiled on first use and loaded.
 
 Each kernel is compiled with the system's C compiler (`$CC`, else `cc`, else `gcc`) into `<cache>/kernels/`
 (`$LIGHTNING_GRPO_CACHE`, default `~/.cache/lightning_grpo`), once per source (with the headers beside it), flags and
@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
 #: What a `wide` kernel's build adds where torch runs its AVX-512 code: the source's 16-lane paths.
 AVX512_FLAGS = ("-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl")
+#: What a kernel built for AMX tiles adds to the AVX-512 flags (`tile_matmul.c`).
+AMX_FLAGS = AVX512_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")
 
 
 def vector_isa() -> str:
@@ -36,9 +38,10 @@ def vector_isa() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-def flags(wide: bool = False) -> tuple[str, ...]:
-    """The compiler flags of a kernel: AVX2 and FMA, and AVX-512 for a `wide` one where `vector_isa` is "AVX512"."""
-    return FLAGS + (AVX512_FLAGS if wide and vector_isa() == "AVX512" else ())
+def flags(wide: bool = False, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The compiler flags of a kernel: AVX2 and FMA, AVX-512 for a `wide` one where `vector_isa` is "AVX512", and
+    `extra` (a kernel that runs only where its instructions exist, such as `AMX_FLAGS`)."""
+    return FLAGS + (AVX512_FLAGS if wide and vector_isa() == "AVX512" else ()) + extra
 
 
 def refusal(switch: str) -> str | None:
@@ -64,11 +67,12 @@ def load_function(
     kernel: str,
     fallback: str,
     wide: bool = False,
+    extra: tuple[str, ...] = (),
 ) -> tuple[Callable[..., int] | None, str | None]:
     """(the function `name` of `source`'s library, typed with `argtypes` and an int result, None), or (None, why it
     cannot run here). See `load_functions`."""
     functions, reason = load_functions(
-        source, {name: argtypes}, switch=switch, kernel=kernel, fallback=fallback, wide=wide
+        source, {name: argtypes}, switch=switch, kernel=kernel, fallback=fallback, wide=wide, extra=extra
     )
     return (None, reason) if functions is None else (functions[name], None)
 
@@ -81,15 +85,16 @@ def load_functions(
     kernel: str,
     fallback: str,
     wide: bool = False,
+    extra: tuple[str, ...] = (),
 ) -> tuple[dict[str, Callable[..., int]] | None, str | None]:
     """({name: the function of `source`'s library, typed with its argtypes and an int result}, None) for the names
     of `signatures`, or (None, why they cannot run here). The reason is logged, naming `kernel` ("small-batch
     kernel") and what runs instead (`fallback`); callers cache the answer, so it is logged once. `wide`: built with
-    AVX-512 where torch runs it (see `flags`)."""
+    AVX-512 where torch runs it, plus `extra` flags (see `flags`)."""
     reason = refusal(switch)
     if reason is None:
         try:
-            library = load(source, wide)
+            library = load(source, wide, extra)
             functions = {name: getattr(library, name) for name in signatures}
         except (OSError, subprocess.SubprocessError, AttributeError) as error:
             reason = f"building or loading {source.name} failed: {error}"
@@ -103,23 +108,23 @@ def load_functions(
     return None, reason
 
 
-def load(source: Path, wide: bool = False) -> ctypes.CDLL:
-    """The shared library of `source`, built first (with `flags(wide)`) unless a build of the same source, flags and
+def load(source: Path, wide: bool = False, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The shared library of `source`, built first (with `flags(wide, extra)`) unless a build of the same source, flags and
     compiler is cached.
 
     Raises:
         OSError: no compiler, the build failed (with the compiler's message), or the library does not load.
         subprocess.SubprocessError: the compiler did not answer.
     """
-    return ctypes.CDLL(str(build(source, wide)))
+    return ctypes.CDLL(str(build(source, wide, extra)))
 
 
 def compiler() -> str | None:
     return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
 
 
-def build(source: Path, wide: bool = False) -> Path:
-    """The shared library of `source`, compiled with `flags(wide)` into the cache folder unless a build of the same
+def build(source: Path, wide: bool = False, extra: tuple[str, ...] = ()) -> Path:
+    """The shared library of `source`, compiled with `flags(wide, extra)` into the cache folder unless a build of the same
     source, flags and compiler is there. Concurrent builds (several processes starting at once) each write their own
     file and rename it into place."""
     from ..models.smollm2 import default_cache_dir
@@ -128,7 +133,7 @@ def build(source: Path, wide: bool = False) -> Path:
     if cc is None:
         raise OSError("no C compiler found: set $CC or install gcc")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    options = flags(wide)
+    options = flags(wide, extra)
     headers = [header.read_bytes() for header in sorted(source.parent.glob("*.h"))]  # what a source may include
     digest = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(options).encode(), version.encode()]))
     folder = default_cache_dir() / "kernels"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_grpo.rollout import cdf_draw, decode_attention, layer_ops, native_build, small_matmul
+from lightning_grpo.rollout import cdf_draw, decode_attention, layer_ops, native_build, small_matmul, tile_matmul
 
 
 def _clear_kernels() -> None:
-    for kernel in (cdf_draw, decode_attention, layer_ops, small_matmul):
+    for kernel in (cdf_draw, decode_attention, layer_ops, small_matmul, tile_matmul):
         kernel._load.cache_clear()
 
 

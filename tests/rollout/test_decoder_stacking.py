@@ -11,7 +11,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_grpo.models import tiny_llama
 from lightning_grpo.models.packed_matmul import packing_available
-from lightning_grpo.rollout import decoder as decoder_code
+from lightning_grpo.rollout import decode_linears
 from lightning_grpo.rollout.decoder import SlotDecoder
 
 pytestmark = pytest.mark.skipif(
@@ -38,7 +38,7 @@ def tiny_qwen2() -> Qwen2ForCausalLM:
 def separate(model, monkeypatch) -> SlotDecoder:
     """A decoder of `model` whose projections run one product each."""
     with monkeypatch.context() as patch:
-        patch.setattr(decoder_code._Stacked, "applies", staticmethod(lambda modules, packed: False))
+        patch.setattr(decode_linears.Stacked, "applies", staticmethod(lambda modules, packed: False))
         return SlotDecoder(model, packed=True)
 
 
@@ -61,11 +61,11 @@ def test_stacked_projections_give_the_separate_products_logits_bit_for_bit(famil
     model = (tiny_llama(seed=0) if family == "llama" else tiny_qwen2()).to(torch.bfloat16).eval()
     stacked = SlotDecoder(model, packed=True)
     assert all(
-        isinstance(layer.qkv, decoder_code._Stacked) and isinstance(layer.gate_up, decoder_code._Stacked)
+        isinstance(layer.qkv, decode_linears.Stacked) and isinstance(layer.gate_up, decode_linears.Stacked)
         for layer in stacked._layers
     )
     reference = separate(model, monkeypatch)
-    assert isinstance(reference._layers[0].qkv, decoder_code._Separate)
+    assert isinstance(reference._layers[0].qkv, decode_linears.Separate)
     for got, expected in zip(logits_of(stacked), logits_of(reference), strict=True):
         assert torch.equal(got, expected)
 
@@ -77,7 +77,7 @@ def test_a_layer_that_computes_more_than_its_weight_runs_on_its_own():
     model = get_peft_model(tiny_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj", "up_proj"]))
     base = model.base_model.model.to(torch.bfloat16).eval()
     layer = SlotDecoder(base, packed=True)._layers[0]
-    assert isinstance(layer.qkv, decoder_code._Separate) and isinstance(layer.gate_up, decoder_code._Separate)
+    assert isinstance(layer.qkv, decode_linears.Separate) and isinstance(layer.gate_up, decode_linears.Separate)
 
 
 def test_a_sync_re_stacks_the_weights(monkeypatch):

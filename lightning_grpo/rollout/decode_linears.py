@@ -1,0 +1,136 @@
+"""The linear layers of a decode step (`decoder.SlotDecoder`): each `nn.Linear` of the model run through the fastest
+product this CPU has for the step's few rows, with the same weights.
+
+- float32, up to `small_matmul.MAX_ROWS` rows: the small-batch kernel (`small_matmul`), reading the module's weight
+  at each call.
+- packed (`packed=True`): the weight laid out once for a packed product (`packed_product`): AMX tiles where the CPU
+  has them (`tile_matmul`), else oneDNN (`models.packed_matmul`); `pack()` lays it out again after the module's
+  weight changed in place (a weight sync).
+- anything else, and a subclass of `nn.Linear` (a LoRA or quantised layer, which computes more): the module itself.
+
+Projections that read the same input (q, k and v; gate and up) run as one packed product over their stacked weights
+(`Stacked`), and a family's fused projection (Phi-3's `qkv_proj`) as one product cut into its parts (`Split`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..models.packed_matmul import pack_weight, packed_linear
+from . import small_matmul, tile_matmul
+
+#: The smallest LM head worth packing in float32 (a vocabulary of thousands of tokens; smaller layers run slower
+#: packed, measured on fp32 CPUs).
+PACK_MIN_NUMEL = 1 << 22
+
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+def packed_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Product:
+    """`x -> x @ weight.T + bias` on `weight` laid out once: on AMX tiles where `tile_matmul` is available and takes
+    the weight (bf16, in_features a multiple of 32), else through oneDNN (`models.packed_matmul.packing_available`).
+    The layout is a copy: lay it out again after `weight` changes."""
+    weight = weight.detach()
+    if tile_matmul.takes(weight, bias) and tile_matmul.available():
+        tiles = tile_matmul.pack(weight, bias)
+        return lambda x: tile_matmul.linear(x, tiles)
+    packed = pack_weight(weight)
+    return lambda x: packed_linear(x, packed, bias)
+
+
+class Linear:
+    """A `nn.Linear` of the model as a decode step runs it: through the small-batch kernel (`small_matmul`) when it
+    is available and takes the step's rows; else through a packed product (`packed_product`) when asked; else the
+    module. `pack()` lays the weight out again after the module's weight changed in place. The small-batch kernel
+    and the module read the weight at each call, so weights copied into the model are used at the next step."""
+
+    def __init__(self, module: torch.nn.Module, packed: bool = False) -> None:
+        self.module = module
+        # a subclass (a LoRA or quantised layer) computes more than `x @ weight.T + bias`
+        self._small = type(module) is torch.nn.Linear and small_matmul.available()
+        self._product: Product | None = None
+        self._use_packed = packed and type(module) is torch.nn.Linear  # for steps the kernel does not take
+        self.pack()
+
+    def pack(self) -> None:
+        if self._use_packed:
+            with torch.inference_mode():
+                bias = None if self.module.bias is None else self.module.bias.detach()
+                self._product = packed_product(self.module.weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._small and small_matmul.applies(x, self.module.weight, self.module.bias):
+            return small_matmul.linear(x, self.module.weight, self.module.bias)
+        if self._product is None:
+            return self.module(x)
+        return self._product(x)
+
+
+class Stacked:
+    """Linear layers that read the same input (q, k and v; gate and up) run as one packed product over their weights
+    stacked: one wide product instead of several narrow ones, each output the same sum. Returns each layer's output
+    (column slices of one tensor). `pack()` re-stacks after the modules' weights changed in place."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.modules = modules
+        self._widths = [module.out_features for module in modules]
+        self.pack()
+
+    @staticmethod
+    def applies(modules: list[torch.nn.Module], packed: bool) -> bool:
+        """Whether `modules` can run stacked: packed, plain `nn.Linear`s (a LoRA or quantised layer computes more),
+        all with a bias or none."""
+        plain = all(type(module) is torch.nn.Linear for module in modules)
+        return packed and plain and len({module.bias is None for module in modules}) == 1
+
+    def pack(self) -> None:
+        with torch.inference_mode():
+            weight = torch.cat([module.weight.detach() for module in self.modules])
+            biased = self.modules[0].bias is not None
+            bias = torch.cat([module.bias.detach() for module in self.modules]) if biased else None
+            self._product = packed_product(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self._product(x).split(self._widths, dim=-1)
+
+
+class Separate:
+    """Linear layers that read the same input, each run as its `Linear` (where `Stacked` does not apply)."""
+
+    def __init__(self, modules: list[torch.nn.Module], packed: bool) -> None:
+        self._linears = [Linear(module, packed) for module in modules]
+
+    def pack(self) -> None:
+        for linear in self._linears:
+            linear.pack()
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(linear(x) for linear in self._linears)
+
+
+class Split:
+    """One linear layer whose output is several layers' (Phi-3's `qkv_proj`, `gate_up_proj`): one product, returned
+    as its column slices of `widths`."""
+
+    def __init__(self, module: torch.nn.Module, widths: list[int], packed: bool) -> None:
+        self._linear = Linear(module, packed)
+        self._widths = widths
+
+    def pack(self) -> None:
+        self._linear.pack()
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self._linear(x).split(self._widths, dim=-1)
+
+
+def projections(
+    owner: torch.nn.Module, names: tuple[str, ...], fused: str, widths: list[int], packed: bool
+) -> Stacked | Separate | Split:
+    """The projections `names` of `owner` as one callable returning each one's output, from its fused layer
+    `fused` where the family has one."""
+    if isinstance(getattr(owner, fused, None), torch.nn.Module):
+        return Split(getattr(owner, fused), widths, packed)
+    modules = [getattr(owner, name) for name in names]
+    return Stacked(modules) if Stacked.applies(modules, packed) else Separate(modules, packed)
