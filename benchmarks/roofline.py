@@ -42,14 +42,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import ctypes
 import gc
 import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -62,7 +60,6 @@ from lightning_grpo.models.dtype_probe import matmul_gflops, probe_matmul_precis
 BATCHES = (1, 8, 32, 64)
 #: Rows of the prefill- and train-sized products among the peaks' shapes.
 PREFILL_ROWS, TRAIN_ROWS = 512, 1024
-BANDWIDTH_BYTES = 256 * 2**20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TRAIN_PRECISIONS = ("32-true", "bf16-mixed")  # Lightning's names: fp32, and fp32 weights under bf16 autocast
 GROUP_SIZE = 8  # completions per prompt in `async_overlap.run_fit`
@@ -144,7 +141,7 @@ def measure_peaks(shape: Shape, seconds: float) -> dict:
     torch.set_num_threads(1)
     try:
         matmul = {name: _products(dims, seconds) for name, dims in products.items()}
-        read_gbs, copy_gbs = _bandwidth(max(3, round(seconds * 20)))
+        read_gbs, copy_gbs = common.memory_bandwidth(max(3, round(seconds * 20)))
     finally:
         torch.set_num_threads(threads)
     peaks = {dtype: max(speeds[dtype] for speeds in matmul.values()) for dtype in DTYPES}
@@ -170,27 +167,6 @@ def _products(dims: tuple[int, int, int], seconds: float) -> dict[str, float]:
             speeds[f"{dtype} packed"] = matmul_gflops(*dims, torch_dtype, min_seconds=seconds, packed=True)
         speeds[dtype] = max(value for key, value in speeds.items() if key.startswith(f"{dtype} "))
     return speeds
-
-
-def _bandwidth(reps: int) -> tuple[float, float]:
-    """GB/s of the fastest of `reps` reads (`sum`) and copies (bytes copied; the faster of torch's `copy_` and libc's
-    `memmove`, which the shared-memory push uses) of a tensor well over any cache."""
-    source = torch.rand(BANDWIDTH_BYTES // 4)
-    target = torch.zeros_like(source)  # written once here, so that no copy below pays its page faults
-    copies = (
-        lambda: target.copy_(source),
-        lambda: ctypes.memmove(target.data_ptr(), source.data_ptr(), BANDWIDTH_BYTES),
-    )
-    read = copied = float("inf")
-    for _ in range(reps):
-        started = time.perf_counter()
-        source.sum()
-        read = min(read, time.perf_counter() - started)
-        for copy_once in copies:
-            started = time.perf_counter()
-            copy_once()
-            copied = min(copied, time.perf_counter() - started)
-    return BANDWIDTH_BYTES / read / 1e9, BANDWIDTH_BYTES / copied / 1e9
 
 
 def compute_bounds(peaks: dict, dtype: str) -> list[tuple[str, float]]:

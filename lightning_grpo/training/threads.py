@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..options import GeneratorOptions, TrainerThreads
+from .heap import FitHeap
 
 if TYPE_CHECKING:
     from ..rollout.core_sharing import CoreSharing
@@ -101,15 +102,17 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
 
 
 class FitThreads:
-    """The trainer's torch threads during one fit, and the core sharing with the embedded generator.
+    """The trainer's torch threads during one fit, the core sharing with the embedded generator, and on a CPU its
+    heap (`heap.FitHeap`: the memory each step frees kept for the next).
 
-    `apply` sets the threads `trainer_threads_for` chooses (once per fit; a later `setup` keeps them),
-    `borrow_generator_cores` hooks the policy so that it borrows the generator's idle cores, and `restore` puts the
-    thread count back and removes the hooks.
+    `apply` sets the threads `trainer_threads_for` chooses (once per fit; a later `setup` keeps them) and keeps freed
+    memory on a CPU, `borrow_generator_cores` hooks the policy so that it borrows the generator's idle cores, and
+    `restore` puts the thread count and malloc back and removes the hooks.
     """
 
     def __init__(self) -> None:
         self.core_sharing: CoreSharing | None = None
+        self.heap = FitHeap()
         self._before: int | None = None
         self._hooks: list[Any] = []
 
@@ -118,6 +121,7 @@ class FitThreads:
         `generator_replicas` (the cores every replica takes)."""
         from ..rollout.core_sharing import CoreSharing
 
+        self.heap.apply(on_cpu=on_cpu)
         if self._before is not None:  # already set by an earlier `fit` setup
             return
         current = torch.get_num_threads()
@@ -152,7 +156,8 @@ class FitThreads:
             self._hooks = borrow_idle_cores(policy, self.core_sharing)
 
     def restore(self) -> None:
-        """Remove the hooks and put the thread count back as it was before `apply`."""
+        """Remove the hooks and put the thread count and malloc back as they were before `apply`."""
+        self.heap.restore()
         for handle in self._hooks:
             handle.remove()
         self._hooks, self.core_sharing = [], None
