@@ -5,9 +5,11 @@ A train step allocates and frees the same large tensors every step: the logits, 
 under autocast, the embedding's gradient. glibc's malloc serves each block over 32 MiB with a mapping of its own and
 unmaps it when freed, so the next step faults every page of it in again, each zero-filled by the kernel.
 `FitHeap.apply` turns that off for the fit (every block from the heap, `mallopt(M_MMAP_MAX, 0)`, and the heap's
-freed top kept, `M_TRIM_THRESHOLD` at its maximum);
-`restore` puts glibc's default values back and hands the freed memory back (`malloc_trim`). The process's peak
-memory is the same; between steps it keeps what the step used.
+freed top kept, `M_TRIM_THRESHOLD` at its maximum); `restore` hands the freed memory back (`malloc_trim`) and
+leaves malloc where glibc's own adjustment takes a process that freed large blocks: blocks over 32 MiB mapped
+(`M_MMAP_THRESHOLD`), a freed top over 64 MiB trimmed. (glibc stops adjusting those by itself once any of them is
+set, so its start-up values would leave every block over 128 KiB mapped for the rest of the process.) The process's
+peak memory is the same; between steps it keeps what the step used.
 
 Only with glibc (Linux); elsewhere nothing changes. `LIGHTNING_GRPO_KEEP_FREED_MEMORY=0` leaves malloc as it is.
 """
@@ -24,9 +26,10 @@ log = logging.getLogger(__name__)
 
 #: Set to "0" to leave malloc as it is.
 ENV_SWITCH = "LIGHTNING_GRPO_KEEP_FREED_MEMORY"
-# mallopt's parameters and glibc's defaults (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
-_DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
+# mallopt's parameters (malloc.h); glibc's default count of mappings, and the ceilings its own adjustment of the mmap
+# and trim thresholds reaches (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit, and twice that).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+_DEFAULT_MMAP_MAX, _ADJUSTED_MMAP_THRESHOLD, _ADJUSTED_TRIM_THRESHOLD = 65536, 32 * 2**20, 64 * 2**20
 _KEEP_ALL = 2**31 - 1  # mallopt takes an int
 
 
@@ -51,12 +54,14 @@ class FitHeap:
             log.info("Keeping the memory each train step frees for the next (%s=0 leaves malloc as it is).", ENV_SWITCH)
 
     def restore(self) -> None:
-        """glibc's default values again, and the memory the heap kept handed back."""
+        """Blocks over 32 MiB mapped again and a freed top over 64 MiB trimmed (see the module docstring), and the
+        memory the heap kept handed back."""
         if not self._applied:
             return
         libc = _glibc()
         libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
-        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
+        libc.mallopt(_M_MMAP_THRESHOLD, _ADJUSTED_MMAP_THRESHOLD)
+        libc.mallopt(_M_TRIM_THRESHOLD, _ADJUSTED_TRIM_THRESHOLD)
         libc.malloc_trim(0)
         self._applied = False
 
