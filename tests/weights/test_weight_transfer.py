@@ -386,7 +386,7 @@ def test_a_packed_lm_head_follows_each_sync():
         with EmbeddedGenerator(
             copy.deepcopy(old), eos_token_ids=[], max_tokens=8, weight_receiver=transfer.receiver(), seed=0
         ) as generator:
-            assert generator._batch._decoder._head._packed is not None or not packing_available(torch.float32)
+            assert generator._batch._decoder._head._product is not None or not packing_available(torch.float32)
             before = generate_all(generator)
             push(transfer, new, version=1)
             after = generate_all(generator)
@@ -397,8 +397,8 @@ def test_a_packed_lm_head_follows_each_sync():
 
 
 def test_a_bf16_generator_runs_every_layer_packed_and_follows_each_sync():
-    """In bf16 every linear layer runs on oneDNN's pre-packed weights (where this CPU has its bf16 kernels); a sync
-    re-packs them all, so the logprobs follow the new weights, within bf16's resolution of a teacher-forced bf16
+    """In bf16 every linear layer runs on weights laid out once (AMX tiles, else oneDNN's packing, where this CPU has
+    its bf16 kernels); a sync lays them all out again, so the logprobs follow the new weights, within bf16's resolution of a teacher-forced bf16
     forward (batched and whole-sequence products round differently)."""
     from lightning_grpo.models.packed_matmul import packing_available
 
@@ -411,7 +411,7 @@ def test_a_bf16_generator_runs_every_layer_packed_and_follows_each_sync():
             copy.deepcopy(old).to(torch.bfloat16), eos_token_ids=[], max_tokens=8, weight_receiver=transfer.receiver()
         ) as generator:
             decoder = generator._batch._decoder
-            packed = [linear._packed for layer in decoder._layers for linear in layer.linears] + [decoder._head._packed]
+            packed = [linear._product for layer in decoder._layers for linear in layer.linears] + [decoder._head._product]
             assert all(weight is not None for weight in packed)
             before = generate_all(generator)
             push(transfer, new, version=1)
