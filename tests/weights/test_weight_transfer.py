@@ -411,8 +411,8 @@ def test_a_bf16_generator_runs_every_layer_packed_and_follows_each_sync():
             copy.deepcopy(old).to(torch.bfloat16), eos_token_ids=[], max_tokens=8, weight_receiver=transfer.receiver()
         ) as generator:
             decoder = generator._batch._decoder
-            packed = [linear._product for layer in decoder._layers for linear in layer.linears] + [decoder._head._product]
-            assert all(weight is not None for weight in packed)
+            products = [linear._product for layer in decoder._layers for linear in layer.linears]
+            assert all(product is not None for product in [*products, decoder._head._product])
             before = generate_all(generator)
             push(transfer, new, version=1)
             after = generate_all(generator)
