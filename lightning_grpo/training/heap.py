@@ -8,8 +8,8 @@ unmaps it when freed, so the next step faults every page of it in again, each ze
 freed top kept, `M_TRIM_THRESHOLD` at its maximum); `restore` hands the freed memory back (`malloc_trim`) and
 leaves malloc where glibc's own adjustment takes a process that freed large blocks: blocks over 32 MiB mapped
 (`M_MMAP_THRESHOLD`), a freed top over 64 MiB trimmed. (glibc stops adjusting those by itself once any of them is
-set, so its start-up values would leave every block over 128 KiB mapped for the rest of the process.) The process's
-peak memory is the same; between steps it keeps what the step used.
+set, so its start-up values would leave every block over 128 KiB mapped for the rest of the process.) Between steps
+the process keeps what a step used, and its peak can be higher (blocks of new sizes do not always fit the freed ones).
 
 Only with glibc (Linux); elsewhere nothing changes. `LIGHTNING_GRPO_KEEP_FREED_MEMORY=0` leaves malloc as it is.
 """
