@@ -1,5 +1,5 @@
 """The embedded generator's C kernels (`small_matmul.c`, `tile_matmul.c`, `decode_attention.c`, `layer_ops.c`,
-`cdf_draw.c`, sharing `simd.h`): compiled on first use and loaded.
+`cdf_draw.c`, sharing `simd.h` and `split_threads.h`): compiled on first use and loaded.
 
 Each kernel is compiled with the system's C compiler (`$CC`, else `cc`, else `gcc`) into `<cache>/kernels/`
 (`$LIGHTNING_GRPO_CACHE`, default `~/.cache/lightning_grpo`), once per source (with the headers beside it), flags and

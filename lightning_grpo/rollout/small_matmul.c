@@ -9,8 +9,9 @@
  * Built by small_matmul.py with the system's C compiler; see there.
  */
 #include <immintrin.h>
-#include <pthread.h>
 #include <stdint.h>
+
+#include "split_threads.h"
 
 /* The four horizontal sums of a0..a3, in order. */
 static inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -89,26 +90,18 @@ static void column(const Problem *p, int64_t c) {
     }
 }
 
-typedef struct {
-    const Problem *problem;
-    int64_t begin, end; /* columns */
-} Share;
-
-static void *run(void *arg) {
-    const Share *s = (const Share *)arg;
-    const Problem *p = s->problem;
-    int64_t c = s->begin;
-    for (; c + 4 <= s->end; c += 4) {
+/* Columns begin .. end (rows of w) for every row of x. */
+static void run_columns(const void *problem, int64_t begin, int64_t end) {
+    const Problem *p = (const Problem *)problem;
+    int64_t c = begin;
+    for (; c + 4 <= end; c += 4) {
         int64_t r = 0;
         for (; r + 3 <= p->m; r += 3) block3(p, r, c);
         if (p->m - r == 2) block2(p, r, c);
         else if (p->m - r == 1) block1(p, r, c);
     }
-    for (; c < s->end; ++c) column(p, c);
-    return 0;
+    for (; c < end; ++c) column(p, c);
 }
-
-#define MAX_THREADS 64
 
 /* Returns 0, or the number of threads that could not be started (their columns were then done by this thread). */
 int small_matmul(const float *x, const float *w, float *out, int64_t m, int64_t n, int64_t k, int threads) {
@@ -116,25 +109,5 @@ int small_matmul(const float *x, const float *w, float *out, int64_t m, int64_t 
     int32_t lanes[8];
     for (int i = 0; i < 8; ++i) lanes[i] = i < k - p.kfull ? -1 : 0;
     p.tail = _mm256_loadu_si256((const __m256i *)lanes);
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads < 1) threads = 1;
-    int64_t share = ((n + threads - 1) / threads + 3) & ~(int64_t)3; /* whole blocks of 4 columns per thread */
-    Share shares[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0}, failed = 0;
-    for (int t = 0; t < threads; ++t) {
-        int64_t begin = t * share < n ? t * share : n;
-        shares[t] = (Share){&p, begin, begin + share < n ? begin + share : n};
-    }
-    for (int t = 1; t < threads; ++t) started[t] = pthread_create(&ids[t], 0, run, &shares[t]) == 0;
-    run(&shares[0]);
-    for (int t = 1; t < threads; ++t) {
-        if (started[t]) {
-            pthread_join(ids[t], 0);
-        } else {
-            run(&shares[t]);
-            ++failed;
-        }
-    }
-    return failed;
+    return split_columns(run_columns, &p, n, 4, threads); /* whole blocks of 4 columns per thread */
 }

@@ -16,11 +16,12 @@
  * Built by tile_matmul.py with the system's C compiler; see there.
  */
 #include <immintrin.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "split_threads.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -133,7 +134,8 @@ static void block_pair(const Problem *p, int64_t r0, int rows_a, int rows_b, int
 }
 
 /* Column blocks begin .. end (pairs from begin) for every row of x. */
-static void run_blocks(const Problem *p, int64_t begin, int64_t end) {
+static void run_blocks(const void *problem, int64_t begin, int64_t end) {
+    const Problem *p = (const Problem *)problem;
     float acc[256] __attribute__((aligned(64)));
     int configured = -1;
     for (int64_t nb = begin; nb < end; nb += 2) {
@@ -151,44 +153,11 @@ static void run_blocks(const Problem *p, int64_t begin, int64_t end) {
     _tile_release();
 }
 
-typedef struct {
-    const Problem *problem;
-    int64_t begin, end; /* column blocks */
-} Share;
-
-static void *run(void *arg) {
-    const Share *share = (const Share *)arg;
-    run_blocks(share->problem, share->begin, share->end);
-    return 0;
-}
-
-#define MAX_THREADS 64
-
 /* Returns 0, or the number of threads that could not be started (their blocks were then done by this thread).
  * Needs tile_permission() granted, k a multiple of 32 and w from tile_pack. */
 int tile_linear(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out, int64_t m, int64_t n,
                 int64_t k, int threads) {
     const Problem p = {x, w, bias, out, m, n, k, k / 32};
     const int64_t nblocks = (n + 15) / 16;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads < 1) threads = 1;
-    const int64_t share = ((nblocks + threads - 1) / threads + 1) & ~(int64_t)1; /* whole pairs of blocks */
-    Share shares[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0}, failed = 0;
-    for (int t = 0; t < threads; ++t) {
-        const int64_t begin = t * share < nblocks ? t * share : nblocks;
-        shares[t] = (Share){&p, begin, begin + share < nblocks ? begin + share : nblocks};
-    }
-    for (int t = 1; t < threads; ++t) started[t] = pthread_create(&ids[t], 0, run, &shares[t]) == 0;
-    run(&shares[0]);
-    for (int t = 1; t < threads; ++t) {
-        if (started[t]) {
-            pthread_join(ids[t], 0);
-        } else {
-            run(&shares[t]);
-            ++failed;
-        }
-    }
-    return failed;
+    return split_columns(run_blocks, &p, nblocks, 2, threads); /* whole pairs of blocks per thread */
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_grpo.rollout import cdf_draw, decode_attention, layer_ops, native_build, small_matmul, tile_matmul
 
@@ -34,3 +35,18 @@ def vector_build(request, monkeypatch):
     yield request.param
     monkeypatch.undo()
     _clear_kernels()
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    """`two_threads(kernel, ...)` runs the rest of the test on 2 torch threads with every weight of those kernel
+    modules split between them (`SPLIT_MIN_NUMEL` 0); the thread count is restored afterwards."""
+    previous = torch.get_num_threads()
+
+    def split(*kernels) -> None:
+        for kernel in kernels:
+            monkeypatch.setattr(kernel, "SPLIT_MIN_NUMEL", 0)
+        torch.set_num_threads(2)
+
+    yield split
+    torch.set_num_threads(previous)

@@ -54,7 +54,7 @@ def test_products_match_float64_for_every_leftover_of_rows_columns_and_features(
 
 
 @needs_kernel
-def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads(monkeypatch):
+def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads(two_threads):
     """What makes a seeded completion the same alone or in a batch: each output is summed in one order."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(20, 576, generator=generator)
@@ -62,13 +62,8 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads(monkeypatch):
     whole = small_matmul.linear(x, weight)
     for start, stop in ((0, 1), (7, 8), (3, 11), (18, 20), (0, 19)):
         assert torch.equal(small_matmul.linear(x[start:stop].contiguous(), weight), whole[start:stop])
-    monkeypatch.setattr(small_matmul, "SPLIT_MIN_NUMEL", 0)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert torch.equal(small_matmul.linear(x, weight), whole)
-    finally:
-        torch.set_num_threads(previous)
+    two_threads(small_matmul)
+    assert torch.equal(small_matmul.linear(x, weight), whole)
 
 
 @needs_kernel

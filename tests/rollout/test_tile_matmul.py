@@ -57,7 +57,7 @@ def test_products_match_float64_for_every_leftover_of_rows_and_columns(rows, thr
 
 
 @needs_tiles
-def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads(monkeypatch):
+def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads(two_threads):
     """What makes a seeded completion the same alone or in a batch: each output is summed in one order."""
     generator = torch.Generator().manual_seed(0)
     x = _bf16(70, 576, generator=generator)
@@ -65,13 +65,8 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads(monkeypatch):
     whole = tile_matmul.linear(x, packed)
     for start, stop in ((0, 1), (5, 6), (3, 20), (16, 48), (0, 33), (30, 70), (0, 64)):
         assert torch.equal(tile_matmul.linear(x[start:stop], packed), whole[start:stop]), (start, stop)
-    monkeypatch.setattr(tile_matmul, "SPLIT_MIN_NUMEL", 0)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert torch.equal(tile_matmul.linear(x, packed), whole)
-    finally:
-        torch.set_num_threads(previous)
+    two_threads(tile_matmul)
+    assert torch.equal(tile_matmul.linear(x, packed), whole)
 
 
 @needs_tiles
