@@ -10,6 +10,8 @@ of `--reps` runs after a warm-up on a short load, the backends alternating so a 
 all alike; and each backend's ratio to the embedded generator.
 
 - `embedded`: `EmbeddedGenerator` (continuous batching, one prefill per prompt, `max_batch_size=--concurrency`);
+- `embedded-int8` (`--int8`): the same with `quantization="int8"` (the decoder layers' weights as int8 on AMX-INT8
+  tiles, where the CPU has them; the start-up log says when it runs the model's own weights instead);
 - `static`: the same requests through the static batcher it replaced (`benchmarks/static_batcher.py`);
 - `hf-generate`: `model.generate` on left-padded batches of `--concurrency` completions in group order, each batch
   run to its longest completion (what a synchronous trainer does);
@@ -34,6 +36,8 @@ bandwidth measured in the same run; no backend can beat it. Weight sync (`--part
     python benchmarks/generation.py --models tiny-random --groups 4 --reps 1    # a quick check
     python benchmarks/generation.py --models smollm2-135m-instruct --groups 8 --concurrency 64 --max-tokens 96 \
         --parts generation                            # 64 requests in 8 groups, as the rollout loop sends them
+    python benchmarks/generation.py --models smollm2-135m-instruct --groups 8 --concurrency 64 --max-tokens 96 \
+        --parts generation --int8                     # the same, with int8 weights beside
 """
 
 from __future__ import annotations
@@ -116,13 +120,19 @@ async def closed_loop(work: Workload, generate: Callable[[list[int], int], Await
     return sampled + sum(await asyncio.gather(*inflight))
 
 
-def embedded_backend(work: Workload) -> tuple[Callable[[], int], Callable[[], None]]:
-    generator = EmbeddedGenerator(copy.deepcopy(work.model), eos_token_ids=[], max_batch_size=work.concurrency)
+def embedded_backend(work: Workload, quantization: str | None = None) -> tuple[Callable[[], int], Callable[[], None]]:
+    generator = EmbeddedGenerator(
+        copy.deepcopy(work.model), eos_token_ids=[], max_batch_size=work.concurrency, quantization=quantization
+    )
 
     async def generate(prompt: list[int], max_tokens: int) -> int:
         return len((await generator.generate(prompt, max_tokens)).token_ids)
 
     return (lambda: asyncio.run(closed_loop(work, generate))), generator.close
+
+
+def int8_backend(work: Workload) -> tuple[Callable[[], int], Callable[[], None]]:
+    return embedded_backend(work, quantization="int8")
 
 
 def static_backend(work: Workload) -> tuple[Callable[[], int], Callable[[], None]]:
@@ -300,22 +310,40 @@ def decode_steps(work: Workload) -> int:
     return steps
 
 
+def int8_weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes a decode step reads with `quantization="int8"`: the decoder layers' linear weights at one byte an
+    element (plus a float32 scale per row), everything else as it is."""
+    linears = [m for m in model.model.layers.modules() if type(m) is torch.nn.Linear]
+    quantized = sum(m.weight.numel() * (m.weight.element_size() - 1) - 4 * m.weight.shape[0] for m in linears)
+    return sum(p.numel() * p.element_size() for p in model.parameters()) - quantized
+
+
 def print_bandwidth_bound(work: Workload, rates: dict[str, float], best_gflops: float) -> None:
     """The load's memory bound: each of its decode steps reads every weight once, at the read bandwidth measured
-    now; a backend cannot beat it whatever its products, so it is the bound the fractions above are held to."""
+    now; a backend cannot beat it whatever its products, so it is the bound the fractions above are held to (with
+    int8 weights, the bound of their bytes)."""
     model = work.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     read_gbs, _ = common.memory_bandwidth(5)
     steps = decode_steps(work)
-    bound = work.useful_tokens / (steps * weight_bytes / (read_gbs * 1e9))
-    bound_gflops = bound * 2 * sum(p.numel() for p in model.parameters()) / 1e9
+    flops = 2 * sum(p.numel() for p in model.parameters())
+    weights = {"": sum(p.numel() * p.element_size() for p in model.parameters())}
+    if "embedded-int8" in rates:
+        weights["int8 "] = int8_weight_bytes(model)
+    bounds = {}
+    for kind, weight_bytes in weights.items():
+        bounds[kind] = bound = work.useful_tokens / (steps * weight_bytes / (read_gbs * 1e9))
+        print(
+            f"{kind}bandwidth bound of this load: {bound:.0f} tokens/s = {bound * flops / 1e9:.0f} GFLOP/s = "
+            f"{bound * flops / 1e9 / best_gflops:.1%} of the best peak ({steps} steps, "
+            f"{work.useful_tokens / steps:.1f} completions a step on average, each step a read of the "
+            f"{weight_bytes / 1e6:.0f} MB of {kind}weights at {read_gbs:.1f} GB/s measured now)"
+        )
     print(
-        f"bandwidth bound of this load: {bound:.0f} tokens/s = {bound_gflops:.0f} GFLOP/s = "
-        f"{bound_gflops / best_gflops:.1%} of the best peak ({steps} steps, {work.useful_tokens / steps:.1f} "
-        f"completions a step on average, each step a read of the {weight_bytes / 1e6:.0f} MB of weights at "
-        f"{read_gbs:.1f} GB/s measured now)"
+        "".join(
+            f"{name} {rate / bounds['int8 ' if name.endswith('int8') else '']:.1%} of its bound; "
+            for name, rate in rates.items()
+        ).removesuffix("; ")
     )
-    print("".join(f"{name} {rate / bound:.1%} of it; " for name, rate in rates.items()).removesuffix("; "))
 
 
 def print_roofline(work: Workload, rates: dict[str, float]) -> None:
@@ -396,6 +424,7 @@ def main() -> None:
     parser.add_argument(
         "--vllm", action="store_true", help="add the vLLM server columns (needs ./scripts/setup_vllm.sh first)"
     )
+    parser.add_argument("--int8", action="store_true", help="add the embedded generator with int8 weights")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype, why = resolve_generator_dtype(args.dtype, torch.float32)
@@ -403,6 +432,8 @@ def main() -> None:
     header()
     print(f"dtype {dtype} ({why})")
     backends = dict(GENERATION_BACKENDS)
+    if args.int8:
+        backends = {"embedded": embedded_backend, "embedded-int8": int8_backend} | backends
     if args.vllm:
         import vllm_generation  # benchmarks/vllm_generation.py: a vLLM server per model
 

@@ -110,6 +110,8 @@ class GRPODataModule(pl.LightningDataModule):
         generator_threads: torch threads of the embedded generator (None: torch's default), or of each replica.
         generator_dtype: the embedded generator's weights and KV cache: `"auto"` (bf16 where this CPU multiplies it
             faster, else the policy's dtype), `"bfloat16"`, `"float32"`, or None (the policy's).
+        generator_quantization: `"int8"`: the embedded generator's layer weights as int8 on AMX-INT8 CPUs (see
+            `EmbeddedGenerator`; pair with `vllm_importance_sampling_correction=True`); None: the policy's weights.
         generator_replicas: embedded generator processes, each on `generator_threads` cores of its own; each group
             is sampled on the least loaded one. 1: the generator runs in the rollout child.
         trainer_threads: torch threads the trainer trains with during `fit` (restored afterwards). `"auto"`: on a CPU
@@ -198,6 +200,7 @@ class GRPODataModule(pl.LightningDataModule):
         child_ready_timeout: float = 300.0,
         generator_threads: int | None = 1,
         generator_dtype: Literal["auto", "float32", "bfloat16"] | None = "auto",
+        generator_quantization: Literal["int8"] | None = None,
         generator_replicas: int = 1,
         trainer_threads: int | Literal["auto"] | None = "auto",
         val_batch_size: int = 16,
@@ -282,9 +285,8 @@ class GRPODataModule(pl.LightningDataModule):
         source = self._start_session(module, sync) if self.trainer.is_global_zero else None
         self._threads.borrow_generator_cores(module.policy)
         rank, world = self.trainer.global_rank, self.trainer.world_size
-        self._stream = StepStream(
-            source, rank=rank, world_size=world, group=self.process_group, max_batches=len(schedule)
-        )
+        group, batches = self.process_group, len(schedule)
+        self._stream = StepStream(source, rank=rank, world_size=world, group=group, max_batches=batches)
         return self._stream
 
     @override

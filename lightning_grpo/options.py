@@ -24,6 +24,7 @@ ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal["grpo", "rloo", "reinforce_plus_plus"]
 Generator = Literal["embedded", "vllm"]
 GeneratorDtype = Literal["auto", "float32", "bfloat16"]
+GeneratorQuantization = Literal["int8"]
 VLLMTransfer = Literal["auto", "http", "nccl", "lora"]
 PromptFormat = Literal["auto", "chat", "text"]
 DatasetFormat = Literal["gsm8k", "math", "prompt_answer"]
@@ -97,6 +98,7 @@ class GeneratorOptions:
     generator: Generator  #: the policy on CPU in the rollout child, or a vLLM server
     generator_threads: int | None  #: torch threads of the embedded generator (each replica's); None: torch's
     generator_dtype: GeneratorDtype | None  #: the embedded generator's weights and KV cache; None: the policy's
+    generator_quantization: GeneratorQuantization | None  #: the embedded generator's layer weights as int8; None: not
     generator_replicas: int  #: embedded generator processes
     trainer_threads: TrainerThreads  #: the trainer's torch threads during `fit` (see `is_trainer_threads`)
     heartbeat_timeout: float  #: seconds without a heartbeat before the rollout child counts as hung

@@ -58,6 +58,21 @@ def test_bad_generation_options_are_reported_together_with_their_values():
     assert GRPODataModule(model="tiny-random", generator="vllm").hparams.generator_dtype == "auto"
 
 
+def test_int8_generator_weights_reach_the_generator_spec_and_bad_values_are_named():
+    from lightning_grpo.models import tiny_llama
+    from lightning_grpo.pipeline.session import embedded_generator_spec
+
+    with pytest.raises(ValueError, match=r"generator_quantization='int4' \(one of 'int8', or None: none\)"):
+        GRPODataModule(model="tiny-random", generator_quantization="int4")
+    with pytest.raises(ValueError, match=r"generator_quantization='int8' with generator='vllm'.*own `--quantization`"):
+        GRPODataModule(model="tiny-random", generator="vllm", generator_quantization="int8")
+    options = GRPODataModule(model="tiny-random", generator_quantization="int8").options
+    spec = embedded_generator_spec(options, tiny_llama(), [3], tokenizer=None, weight_receiver=None)
+    assert spec.options["quantization"] == "int8"
+    plain = GRPODataModule(model="tiny-random").options
+    assert embedded_generator_spec(plain, tiny_llama(), [3], None, None).options["quantization"] is None
+
+
 def test_a_group_that_can_never_fit_a_step_fails_at_set_up_naming_the_knob(no_leaked_processes):
     """8 completions in rows of 2 samples, 1 micro-batch on 1 process: no step can hold a group. The fit fails in
     `setup`, before anything is spawned, instead of dropping every group as oversize until the run stalls."""

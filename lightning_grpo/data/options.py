@@ -12,6 +12,7 @@ from ..options import (
     AdvantageEstimator,
     DataModuleOptions,
     GeneratorOptions,
+    GeneratorQuantization,
     PromptFormat,
     SamplingOptions,
     VLLMTransfer,
@@ -59,6 +60,7 @@ def validate_options(options: DataModuleOptions) -> None:
     problems += _server_problems(options)
     problems += _replica_problems(options.generation)
     problems += _generator_dtype_problems(options.generation)
+    problems += _quantization_problems(options.generation)
     problems += _chat_problems(options)
     if problems:
         raise ValueError(f"GRPODataModule got invalid options: {'; '.join(problems)}.")
@@ -130,6 +132,19 @@ def _generator_dtype_problems(generation: GeneratorOptions) -> list[str]:
         return [
             f"generator_dtype={choice!r} with generator={generation.generator!r} (it sets the embedded generator's "
             "dtype; a vLLM server's is its own `--dtype`: leave generator_dtype='auto' or None)"
+        ]
+    return []
+
+
+def _quantization_problems(generation: GeneratorOptions) -> list[str]:
+    choice = generation.generator_quantization
+    if choice is not None and choice not in get_args(GeneratorQuantization):
+        names = ", ".join(map(repr, get_args(GeneratorQuantization)))
+        return [f"generator_quantization={choice!r} (one of {names}, or None: none)"]
+    if choice is not None and generation.generator != "embedded":
+        return [
+            f"generator_quantization={choice!r} with generator={generation.generator!r} (it quantizes the embedded "
+            "generator's weights; a vLLM server's is its own `--quantization`: leave generator_quantization None)"
         ]
     return []
 

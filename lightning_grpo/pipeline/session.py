@@ -241,6 +241,7 @@ def embedded_generator_spec(
         max_batch_size=max(sampling.num_generations, 64),
         weight_receiver=weight_receiver,
         num_threads=generation.generator_threads,
+        quantization=generation.generator_quantization,
     )
     if generation.generator_replicas == 1:
         return spec

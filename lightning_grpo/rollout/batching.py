@@ -120,6 +120,8 @@ class ContinuousBatch:
         packed: run a large LM head on pre-packed weights (see `SlotDecoder`).
         decoder: the decoder to drive instead of a `SlotDecoder` of `model` (a `GenericDecoder` runs every causal LM
             through its own forward; `decoder_choice.choose_decoder` picks).
+        int8_weights: a `SlotDecoder`'s layers on int8 weights where they can be (see `SlotDecoder`; `int8_refusal`
+            says why not).
     """
 
     def __init__(
@@ -133,8 +135,15 @@ class ContinuousBatch:
         rng: torch.Generator,
         packed: bool = False,
         decoder: StepDecoder | None = None,
+        int8_weights: bool = False,
     ) -> None:
-        self._decoder: StepDecoder = SlotDecoder(model, packed=packed) if decoder is None else decoder
+        if decoder is None:
+            decoder = SlotDecoder(model, packed=packed, int8_weights=int8_weights)
+            #: why the layers' weights are not int8 although asked (None: they are, or were not asked)
+            self.int8_refusal = decoder.int8_refusal
+        else:
+            self.int8_refusal = "int8 weights run on the fast decoder" if int8_weights else None
+        self._decoder: StepDecoder = decoder
         self._vocab = model.get_output_embeddings().weight.shape[0]
         self.sampling = sampling
         self._eos, self._stop = eos_token_ids, stop

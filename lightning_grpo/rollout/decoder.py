@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from . import decode_attention, layer_ops
 from .architectures import ARCHITECTURES, LayerPlan, Scalars, architecture_of, layer_plans, scalars_of
-from .decode_linears import PACK_MIN_NUMEL, Linear, Separate, Split, Stacked, projections
+from .decode_linears import PACK_MIN_NUMEL, Linear, Separate, Split, Stacked, int8_refusal, projections
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -61,13 +61,16 @@ class _Scaled:
 
 
 class _Layer:
-    """One decoder layer's modules: its linear layers wrapped as `Linear` (pre-packed with `packed`; q, k and v,
+    """One decoder layer's modules: its linear layers wrapped as `Linear` (pre-packed with `packed`, as int8 with
+    `int8`; q, k and v,
     and gate and up, stacked where `Stacked` applies, split from one product where the family fuses them), its
     norms as its plan names them (a residual multiplier folded into the branch outputs), and the rest of its `plan`.
     `widths` are q's, k's and v's (to split a fused projection). An MLP without gate, up and down projections (a
     mixture of experts) is the model's module, called as is."""
 
-    def __init__(self, layer: torch.nn.Module, plan: LayerPlan, widths: list[int], packed: bool = False) -> None:
+    def __init__(
+        self, layer: torch.nn.Module, plan: LayerPlan, widths: list[int], packed: bool = False, int8: bool = False
+    ) -> None:
         attention, mlp = layer.self_attn, layer.mlp
         self.attention = attention
         width, dtype = attention.o_proj.out_features, attention.o_proj.weight.dtype
@@ -76,13 +79,13 @@ class _Layer:
             for index in (1, 3):
                 norms[index] = _Scaled(norms[index], plan.residual_multiplier)
         self.pre_attention, self.post_attention, self.pre_mlp, self.post_mlp = norms
-        self.qkv = projections(attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj", widths, packed)
-        self.o = Linear(attention.o_proj, packed)
+        self.qkv = projections(attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj", widths, packed, int8)
+        self.o = Linear(attention.o_proj, packed, int8)
         self.linears: list[Linear | Stacked | Separate | Split] = [self.qkv, self.o]
         if hasattr(mlp, "down_proj"):
             widths = [mlp.down_proj.in_features] * 2
-            self.gate_up = projections(mlp, ("gate_proj", "up_proj"), "gate_up_proj", widths, packed)
-            self.down = Linear(mlp.down_proj, packed)
+            self.gate_up = projections(mlp, ("gate_proj", "up_proj"), "gate_up_proj", widths, packed, int8)
+            self.down = Linear(mlp.down_proj, packed, int8)
             self.linears += [self.gate_up, self.down]
             self.act = getattr(mlp, "act_fn", None) or mlp.activation_fn
             self.mlp = self._gated_mlp
@@ -145,9 +148,13 @@ class SlotDecoder:
             the layers' few rows), in bf16 every linear layer (AMX tiles or oneDNN's packed bf16 products beat the
             plain ones at every row count), the projections that read the same input stacked; call `repack()` after
             the model's weights change.
+        int8_weights: with `packed`, hold the decoder layers' linear weights as int8 with a float32 scale per output
+            feature (`decode_linears.packed_product`), on AMX-INT8 tiles: half the bytes of each step's read. Where
+            `decode_linears.int8_refusal` names a reason (a model not in bf16, a CPU without AMX-INT8) the layers
+            stay as they are, and `int8_refusal` says why. The embeddings and the LM head stay in the model's dtype.
     """
 
-    def __init__(self, model: PreTrainedModel, packed: bool = False) -> None:
+    def __init__(self, model: PreTrainedModel, packed: bool = False, int8_weights: bool = False) -> None:
         config = model.config
         scalars = scalars_of(config)
         base = model.model
@@ -161,8 +168,14 @@ class SlotDecoder:
         layers = list(base.layers)[: config.num_hidden_layers]
         # bf16 has no small-batch kernel, and packed bf16 products are faster than plain ones
         pack_layers = packed and model.dtype == torch.bfloat16
+        #: why the layers' weights are not int8 although asked (None: they are, or were not asked)
+        self.int8_refusal = None
+        if int8_weights:
+            self.int8_refusal = int8_refusal(model.dtype) if packed else "int8 weights run as packed products"
+        int8 = int8_weights and self.int8_refusal is None
         self._layers = [
-            _Layer(layer, plan, widths, pack_layers) for layer, plan in zip(layers, layer_plans(config), strict=True)
+            _Layer(layer, plan, widths, pack_layers, int8)
+            for layer, plan in zip(layers, layer_plans(config), strict=True)
         ]
         parallel = architecture_of(config).parallel_branches
         self._run_layer = self._parallel_layer if parallel else self._sequential_layer

@@ -30,7 +30,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC", "-pt
 #: What a `wide` kernel's build adds where torch runs its AVX-512 code: the source's 16-lane paths.
 AVX512_FLAGS = ("-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl")
 #: What a kernel built for AMX tiles adds to the AVX-512 flags (`tile_matmul.c`).
-AMX_FLAGS = AVX512_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")
+AMX_FLAGS = AVX512_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8")
 
 
 def vector_isa() -> str:

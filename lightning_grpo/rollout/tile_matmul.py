@@ -12,11 +12,17 @@ BF16, torch not running its AVX-512 code, Linux refusing the tile registers, no 
 `LIGHTNING_GRPO_TILE_MATMUL=0`), `available()` is False, `unavailable_reason()` says why (logged once), and the
 generator runs oneDNN's packed products instead.
 
+int8 weights (`pack(weight, int8=True)`, where the CPU also has amx_int8: `int8_available()`): the weight is rounded
+to int8 with a float32 scale per output feature (`quantize`), which halves the bytes a step reads. x stays about
+16 bits: each row is split into two int8 rows (`tile_matmul.c`), and the int32 sums are combined with the scales in
+float32 and rounded to bf16 once. The outputs then differ from the bf16 weight's by the weight's rounding (up to half
+a step of max |w_row| / 127 per element), not by the activations'.
+
 Example::
 
     if tile_matmul.available() and tile_matmul.takes(weight):
-        packed = tile_matmul.pack(weight)  # once, and again after each change of `weight`
-        y = tile_matmul.linear(x, packed, bias)  # x @ weight.T + bias
+        packed = tile_matmul.pack(weight, bias)  # once, and again after each change of `weight`
+        y = tile_matmul.linear(x, packed)  # x @ weight.T + bias
 """
 
 from __future__ import annotations
@@ -40,8 +46,12 @@ ENV_SWITCH = "LIGHTNING_GRPO_TILE_MATMUL"
 K_BLOCK = 32
 #: Weights with fewer elements run on one thread: starting threads for the call would cost more than it saves.
 SPLIT_MIN_NUMEL = 1 << 18
+#: An int8 weight's in_features must be a multiple of this (one int8 tile holds 64 of K).
+K_BLOCK_INT8 = 64
 #: What the CPU must have (torch's names for them, `torch.cpu.get_capabilities()`).
 NEEDED = ("amx_tile", "amx_bf16", "avx512_bf16")
+#: What int8 weights need besides.
+NEEDED_INT8 = ("amx_int8",)
 
 _SOURCE = Path(__file__).with_name("tile_matmul.c")
 _KERNEL = "AMX tile kernel"
@@ -50,12 +60,14 @@ _FALLBACK = "oneDNN's packed products"
 
 @dataclass(frozen=True, slots=True)
 class TileWeight:
-    """A weight laid out for `linear` by `pack`: its tiles, its shape, and its bias in float32 (or None)."""
+    """A weight laid out for `linear` by `pack`: its tiles, its shape, its bias in float32 (or None), and for int8
+    tiles the float32 scale of each output feature (else None)."""
 
     tiles: torch.Tensor
     out_features: int
     in_features: int
     bias: torch.Tensor | None
+    scale: torch.Tensor | None = None
 
 
 def available() -> bool:
@@ -68,48 +80,80 @@ def unavailable_reason() -> str | None:
     return _load()[1]
 
 
-def takes(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether `pack(weight, bias)` takes these tensors: a bf16 (out_features, in_features) CPU weight with
-    in_features a multiple of `K_BLOCK`, and a bias of out_features elements or None."""
+def int8_available() -> bool:
+    """Whether `linear` can run int8 weights here: `available()`, and the CPU has `NEEDED_INT8`."""
+    capabilities = torch.cpu.get_capabilities()
+    return available() and all(capabilities.get(name, False) for name in NEEDED_INT8)
+
+
+def takes(weight: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = False) -> bool:
+    """Whether `pack(weight, bias, int8)` takes these tensors: a bf16 (out_features, in_features) CPU weight with
+    in_features a multiple of `K_BLOCK` (`K_BLOCK_INT8` for int8), and a bias of out_features elements or None."""
     return (
         weight.dim() == 2
         and weight.dtype == torch.bfloat16
         and weight.device.type == "cpu"
-        and weight.shape[1] % K_BLOCK == 0
+        and weight.shape[1] % (K_BLOCK_INT8 if int8 else K_BLOCK) == 0
         and weight.shape[1] > 0
         and (bias is None or (bias.device.type == "cpu" and bias.shape == (weight.shape[0],)))
     )
 
 
-def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> TileWeight:
-    """`weight` (and `bias`) laid out for `linear`. Needs `available()` and `takes(weight, bias)`.
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 `weight` (out_features, in_features) rounded to int8 per output feature: (q, scale) with
+    `q * scale[:, None]` nearest to `weight` on the grid of step `scale = max |w_row| / 127` (symmetric, round half to
+    even; a row of zeros has scale 0). in_features must be a multiple of 16.
 
     Raises:
         RuntimeError: the kernel is not available here (with the reason).
+    """
+    functions = _functions()
+    weight = weight.detach().contiguous()
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32)
+    functions["tile_quantize"](weight.data_ptr(), q.data_ptr(), scale.data_ptr(), *weight.shape)
+    return q, scale
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = False) -> TileWeight:
+    """`weight` (and `bias`) laid out for `linear`: as bf16 tiles, or with `int8` rounded to int8 (`quantize`) and laid
+    out as int8 tiles. Needs `available()` (and `int8_available()` for int8) and `takes(weight, bias, int8)`.
+
+    Raises:
+        RuntimeError: the kernel (or its int8 products) is not available here (with the reason).
         ValueError: a weight `takes` refuses.
     """
     functions = _functions()
-    if not takes(weight, bias):
+    if int8 and not int8_available():
+        raise RuntimeError(f"tile_matmul cannot run int8 weights here: the CPU has no {', '.join(NEEDED_INT8)}.")
+    if not takes(weight, bias, int8):
         raise ValueError(
             f"tile_matmul.pack takes a bf16 CPU weight (out_features, in_features) with in_features a multiple of "
-            f"{K_BLOCK} and a bias of out_features elements; got weight {tuple(weight.shape)} {weight.dtype} on "
-            f"{weight.device}, bias {None if bias is None else tuple(bias.shape)}. Use oneDNN's packed products "
-            "(models.packed_matmul)."
+            f"{K_BLOCK_INT8 if int8 else K_BLOCK} and a bias of out_features elements; got weight "
+            f"{tuple(weight.shape)} {weight.dtype} on {weight.device}, bias {None if bias is None else tuple(bias.shape)}"
+            f"{' with int8=True' if int8 else ''}. Use oneDNN's packed products (models.packed_matmul)."
         )
     out_features, in_features = weight.shape
-    weight = weight.detach().contiguous()
-    tiles = torch.empty(-(-out_features // 16), in_features // K_BLOCK, 16, 16, 2, dtype=torch.bfloat16)
-    functions["tile_pack"](weight.data_ptr(), tiles.data_ptr(), out_features, in_features)
+    blocks = -(-out_features // 16)
     bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
-    return TileWeight(tiles, out_features, in_features, bias)
+    if not int8:
+        tiles = torch.empty(blocks, in_features // K_BLOCK, 16, 16, 2, dtype=torch.bfloat16)
+        functions["tile_pack"](weight.detach().contiguous().data_ptr(), tiles.data_ptr(), out_features, in_features)
+        return TileWeight(tiles, out_features, in_features, bias)
+    q, scale = quantize(weight)
+    tiles = torch.empty(blocks, in_features // K_BLOCK_INT8, 16, 16, 4, dtype=torch.int8)
+    # four int8 of K take the place of two bf16: the same layout, at half the K
+    functions["tile_pack"](q.data_ptr(), tiles.data_ptr(), out_features, in_features // 2)
+    return TileWeight(tiles, out_features, in_features, bias, scale)
 
 
 def linear(x: torch.Tensor, weight: TileWeight) -> torch.Tensor:
-    """`x @ weight.T + bias` for the weight and bias `weight` was packed from, in bf16, on `torch.get_num_threads()`
-    threads (one for a weight below `SPLIT_MIN_NUMEL` elements). `x` is a bf16 (rows, in_features) CPU tensor.
+    """`x @ weight.T + bias` for the weight and bias `weight` was packed from (for int8 tiles, the rounded weight
+    `q * scale`), in bf16, on `torch.get_num_threads()` threads (one for a weight below `SPLIT_MIN_NUMEL` elements).
+    `x` is a bf16 (rows, in_features) CPU tensor.
 
     Raises:
-        RuntimeError: the kernel is not available here (with the reason).
+        RuntimeError: the kernel is not available here (with the reason), or could not allocate its buffers.
         ValueError: an `x` of another dtype, shape or device.
     """
     functions = _functions()
@@ -126,16 +170,16 @@ def linear(x: torch.Tensor, weight: TileWeight) -> torch.Tensor:
     numel = weight.out_features * weight.in_features
     threads = torch.get_num_threads() if numel >= SPLIT_MIN_NUMEL else 1
     bias = 0 if weight.bias is None else weight.bias.data_ptr()
-    functions["tile_linear"](
-        x.data_ptr(),
-        weight.tiles.data_ptr(),
-        bias,
-        out.data_ptr(),
-        rows,
-        weight.out_features,
-        weight.in_features,
-        threads,
-    )
+    shape = (rows, weight.out_features, weight.in_features, threads)
+    if weight.scale is None:
+        functions["tile_linear"](x.data_ptr(), weight.tiles.data_ptr(), bias, out.data_ptr(), *shape)
+    elif (
+        functions["tile_linear_int8"](
+            x.data_ptr(), weight.tiles.data_ptr(), weight.scale.data_ptr(), bias, out.data_ptr(), *shape
+        )
+        < 0
+    ):
+        raise RuntimeError(f"tile_matmul.linear could not allocate the split rows of x {tuple(x.shape)}.")
     return out
 
 
@@ -160,6 +204,8 @@ def _load() -> tuple[dict[str, Callable[..., int]] | None, str | None]:
             "tile_permission": [],
             "tile_pack": [pointer, pointer, size, size],
             "tile_linear": [pointer] * 4 + [size] * 3 + [ctypes.c_int],
+            "tile_linear_int8": [pointer] * 5 + [size] * 3 + [ctypes.c_int],
+            "tile_quantize": [pointer] * 3 + [size] * 2,
         },
         switch=ENV_SWITCH,
         kernel=_KERNEL,

@@ -36,3 +36,17 @@ def test_every_backend_samples_the_load_in_the_dtype_asked_and_is_set_against_th
         gflops, of_decode, of_best = map(float, line.groups())
         assert of_decode == pytest.approx(100 * gflops / decode_peak, abs=0.1 + 0.01 * of_decode)
         assert of_best == pytest.approx(100 * gflops / best_peak, abs=0.1 + 0.01 * of_best)
+
+
+@pytest.mark.timeout(300)
+def test_int8_weights_run_beside_the_embedded_generator_and_are_held_to_their_own_bandwidth_bound(tmp_path):
+    """With `--int8` the generator with int8 weights samples the same load; its bound counts the int8 bytes (the
+    layers' weights at one byte an element), fewer than the bf16 bound's."""
+    code, output = run_in_session(
+        [sys.executable, "benchmarks/generation.py", *QUICK, "--int8"], log=tmp_path / "log", timeout=280, cwd=ROOT
+    )
+    assert code == 0, output[-3000:]
+    assert re.search(r"^embedded-int8 +[\d.]+ +[\d.]+% +[\d.]+%$", output, re.MULTILINE), output[-2000:]
+    megabytes = [int(m) for m in re.findall(r"each step a read of the (\d+) MB of (?:int8 )?weights", output)]
+    assert len(megabytes) == 2 and megabytes[1] < megabytes[0], output[-2000:]
+    assert re.search(r"embedded-int8 [\d.]+% of its bound", output)
