@@ -23,8 +23,8 @@ vLLM server also uses one core), in `--dtype` (default "auto": the dtype `genera
 CPU, bf16 where its products are faster; HF `generate` and the static batcher run the same model in the same dtype).
 Below the table, each backend's useful tokens/s as model FLOP/s (2 x parameters per token; the prefills and
 attention are not counted, so the fraction is a lower bound) against matmul peaks measured in the same run on the
-same threads: the dtype's peak at a decode step's shape (64 rows through the model's MLP, on the faster of torch's
-`linear` and oneDNN's packed weights), and the best peak of any dtype and shape (the training shape included: AMX
+same threads: the dtype's peak at a decode step's shape (64 rows through the model's MLP, on the fastest of torch's
+`linear`, oneDNN's packed weights and the generator's own product), and the best peak of any dtype and shape (the training shape included: AMX
 tiles reach far more on 2,048 rows than on 64). Then the load's bandwidth bound: its decode steps (groups admitted
 as the closed loop admits them, one token per running completion a step), each a read of every weight at the read
 bandwidth measured in the same run; no backend can beat it. Weight sync (`--parts sync`): SmolLM2-135M fp32 through
@@ -61,6 +61,7 @@ from static_batcher import StaticBatcher  # noqa: E402  (benchmarks/static_batch
 from lightning_grpo.data.arithmetic import arithmetic_dataset  # noqa: E402
 from lightning_grpo.models import load_policy, load_tokenizer  # noqa: E402
 from lightning_grpo.models.dtype_probe import best_matmul_gflops, resolve_generator_dtype  # noqa: E402
+from lightning_grpo.rollout.decode_linears import decode_product  # noqa: E402
 from lightning_grpo.rollout.generator import EmbeddedGenerator  # noqa: E402
 from lightning_grpo.weights.shared_memory import SharedMemoryWeightTransfer  # noqa: E402
 
@@ -291,9 +292,11 @@ def bench_generation(args: argparse.Namespace, backends: dict[str, Backend]) -> 
 
 def peak_gflops(model: torch.nn.Module, dtype: torch.dtype, rows: int) -> float:
     """The best matmul GFLOP/s in `dtype` at `rows` rows through the model's MLP (its up projection's shape), on the
-    faster of torch's `linear` and oneDNN's packed weight, on this process's threads."""
+    fastest of torch's `linear`, oneDNN's packed weight and the generator's own product (`decode_product`: AMX tiles
+    or the small-batch kernel), on this process's threads."""
     config = model.config
-    return best_matmul_gflops(rows, config.hidden_size, config.intermediate_size, dtype, min_seconds=0.1)
+    inner, outer = config.hidden_size, config.intermediate_size
+    return best_matmul_gflops(rows, inner, outer, dtype, min_seconds=0.1, product=decode_product)
 
 
 def decode_steps(work: Workload) -> int:
@@ -427,7 +430,7 @@ def main() -> None:
     parser.add_argument("--int8", action="store_true", help="add the embedded generator with int8 weights")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    dtype, why = resolve_generator_dtype(args.dtype, torch.float32)
+    dtype, why = resolve_generator_dtype(args.dtype, torch.float32, decode_product)
     args.torch_dtype = getattr(torch, dtype)
     header()
     print(f"dtype {dtype} ({why})")

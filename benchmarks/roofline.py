@@ -56,6 +56,7 @@ import torch  # noqa: E402
 
 from lightning_grpo.models import load_policy  # noqa: E402
 from lightning_grpo.models.dtype_probe import matmul_gflops, probe_matmul_precision  # noqa: E402
+from lightning_grpo.rollout.decode_linears import decode_product  # noqa: E402
 
 BATCHES = (1, 8, 32, 64)
 #: Rows of the prefill- and train-sized products among the peaks' shapes.
@@ -491,7 +492,7 @@ def run(args: argparse.Namespace) -> dict:
     model_name = common.MODELS[args.model]
     header = machine_line(model_name, args.threads)
     print(header, flush=True)
-    verdict = probe_matmul_precision()
+    verdict = probe_matmul_precision(decode_product=decode_product)
     print(f"precision probe: {verdict.reason}", flush=True)
     model = load_policy(model_name).eval()
     shape = Shape.of(model)

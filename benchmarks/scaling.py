@@ -111,9 +111,10 @@ def rollout_worker(job: dict[str, Any]) -> dict[str, Any]:
     import asyncio
 
     from lightning_grpo.models.dtype_probe import resolve_generator_dtype
+    from lightning_grpo.rollout.decode_linears import decode_product
     from lightning_grpo.rollout.generator import EmbeddedGenerator
 
-    dtype, _ = resolve_generator_dtype("auto", torch.float32)
+    dtype, _ = resolve_generator_dtype("auto", torch.float32, decode_product)
     policy = build_policy(job["policy"], dtype=getattr(torch, dtype))
     generator = EmbeddedGenerator(policy, eos_token_ids=[], max_batch_size=64, num_threads=job["threads"], seed=0)
     prompts = torch.randint(

@@ -5,7 +5,8 @@ A bf16 matrix product is ~4x faster than fp32 where the CPU has bf16 instruction
 the machine, and on a CPU with AMX tiles the ratio grows with the product's size. `probe_matmul_precision()` reads
 the CPU's flags and times, on one thread, fp32 and bf16 products of the two shapes that matter: a decode step of 64
 rows through a 576 x 1536 linear layer (SmolLM2's MLP) as the embedded generator runs it (the faster of torch's
-`linear` and oneDNN on a pre-packed weight, which the generator uses where it has it), and a training micro-batch
+`linear`, oneDNN on a pre-packed weight, and the generator's own product when the caller passes it: its AMX tiles or
+small-batch kernel, `rollout.decode_linears.decode_product`), and a training micro-batch
 of 2,048 tokens through the same layer as the trainer runs it (torch's `linear`), in about half a second. It says
 which dtype won at the generator's shape, by how much at each shape and why. The verdict is cached in
 `<cache>/precision/` (`$LIGHTNING_GRPO_CACHE`, else `~/.cache/lightning_grpo`) under a key made of the CPU model,
@@ -33,6 +34,7 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -60,7 +62,7 @@ TRAIN_SHAPE = (2048, 576, 1536)
 #: bf16 must beat fp32 by this factor to be chosen: below it, the precision it loses is not worth the time it saves.
 MIN_SPEEDUP = 1.2
 #: Bumped when the probe itself changes, so that verdicts of an older probe are not read back.
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 #: /proc/cpuinfo flags that decide bf16 speed, strongest first, with the name the reason gives them.
 _BF16_FLAGS = {"amx_bf16": "AMX_BF16", "avx512_bf16": "AVX512_BF16", "bf16": "BF16"}  # "bf16": Arm's Features
 DType = Literal["float32", "bfloat16"]
@@ -68,6 +70,8 @@ DType = Literal["float32", "bfloat16"]
 GENERATOR_DTYPES = ("auto", "float32", "bfloat16")
 #: The environment variable that sets the verdict without probing ("float32" or "bfloat16").
 PRECISION_ENV = "LIGHTNING_GRPO_PRECISION"
+#: A product as a generator builds it for a weight: weight -> (x -> x @ weight.T).
+DecodeProduct = Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -141,37 +145,45 @@ def matmul_gflops(
     min_seconds: float = 0.02,
     min_reps: int = 3,
     packed: bool = False,
+    product: DecodeProduct | None = None,
 ) -> float:
     """GFLOP/s of `linear(x (rows, inner), w (outer, inner))` in `dtype` on the current torch threads: the fastest
     of at least `min_reps` calls timed over at least `min_seconds`, after one warm-up call.
 
     The fastest call, not the median: another process can only slow a call down, so the fastest is the closest to
     what the hardware allows. With `packed`, the product runs through oneDNN on a weight laid out for it beforehand
-    (what the embedded generator does where `packed_matmul.packing_available`; the caller checks that it is).
+    (what the embedded generator does where `packed_matmul.packing_available`; the caller checks that it is); with
+    `product`, through what it builds for the weight.
     """
     x = torch.randn(rows, inner).to(dtype)
     w = torch.randn(outer, inner).to(dtype)
     with torch.inference_mode():
-        if packed:
-            product = functools.partial(packed_linear, x, pack_weight(w, rows))
+        if product is not None:
+            call = functools.partial(product(w), x)
+        elif packed:
+            call = functools.partial(packed_linear, x, pack_weight(w, rows))
         else:
-            product = functools.partial(torch.nn.functional.linear, x, w)
-        product()
+            call = functools.partial(torch.nn.functional.linear, x, w)
+        call()
         best, spent, reps = float("inf"), 0.0, 0
         while reps < min_reps or spent < min_seconds:
             started = time.perf_counter()
-            product()
+            call()
             elapsed = time.perf_counter() - started
             best, spent, reps = min(best, elapsed), spent + elapsed, reps + 1
     return 2.0 * rows * inner * outer / best / 1e9
 
 
-def probe_matmul_precision(cache_dir: str | Path | None = None, *, refresh: bool = False) -> PrecisionVerdict:
+def probe_matmul_precision(
+    cache_dir: str | Path | None = None, *, refresh: bool = False, decode_product: DecodeProduct | None = None
+) -> PrecisionVerdict:
     """Which dtype multiplies matrices faster on this CPU; measured once per machine and torch, then cached.
 
     Args:
         cache_dir: where verdicts are kept (one small JSON file per key); default `default_cache_dir()/precision`.
         refresh: probe again even when a verdict for this machine is cached (and replace it).
+        decode_product: the generator's own product (`rollout.decode_linears.decode_product`), timed at the decode
+            shape beside torch's and oneDNN's; it is part of the cache key.
 
     Returns:
         The `PrecisionVerdict`. The timing runs on one thread (restored afterwards), as the embedded generator runs;
@@ -184,12 +196,14 @@ def probe_matmul_precision(cache_dir: str | Path | None = None, *, refresh: bool
     if (pinned := os.environ.get(PRECISION_ENV)) is not None:
         return _pinned_verdict(pinned)
     signature = cpu_signature()
+    if decode_product is not None:
+        signature["decode_product"] = f"{decode_product.__module__}.{decode_product.__qualname__}"
     key = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "precision"
     path = path / f"{key}.json"
     if not refresh and (cached := _read(path, key)) is not None:
         return cached
-    verdict = _measure(signature, key)
+    verdict = _measure(signature, key, decode_product)
     _write(path, verdict)
     return verdict
 
@@ -203,11 +217,13 @@ def _pinned_verdict(value: str) -> PrecisionVerdict:
     return PrecisionVerdict(value, 1.0, 0.0, 0.0, "", reason, "environment")  # type: ignore[arg-type]
 
 
-def _measure(signature: dict[str, str], key: str) -> PrecisionVerdict:
+def _measure(signature: dict[str, str], key: str, decode_product: DecodeProduct | None) -> PrecisionVerdict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        fp32, bf16 = (best_matmul_gflops(*PROBE_SHAPE, dtype) for dtype in (torch.float32, torch.bfloat16))
+        fp32, bf16 = (
+            best_matmul_gflops(*PROBE_SHAPE, dtype, product=decode_product) for dtype in (torch.float32, torch.bfloat16)
+        )
         train_fp32, train_bf16 = (
             matmul_gflops(*TRAIN_SHAPE, dtype, min_seconds=0.1, min_reps=5) for dtype in (torch.float32, torch.bfloat16)
         )
@@ -221,13 +237,23 @@ def _measure(signature: dict[str, str], key: str) -> PrecisionVerdict:
     return PrecisionVerdict(dtype, speedup, fp32, bf16, hardware, reason, key, False, train_fp32, train_bf16)
 
 
-def best_matmul_gflops(rows: int, inner: int, outer: int, dtype: torch.dtype, *, min_seconds: float = 0.05) -> float:
-    """`matmul_gflops` on the faster of torch's `linear` and oneDNN on a packed weight (where torch has it for
-    `dtype`): the speed the embedded generator can reach at that shape."""
-    plain = matmul_gflops(rows, inner, outer, dtype, min_seconds=min_seconds)
-    if not packing_available(dtype):
-        return plain
-    return max(plain, matmul_gflops(rows, inner, outer, dtype, min_seconds=min_seconds, packed=True))
+def best_matmul_gflops(
+    rows: int,
+    inner: int,
+    outer: int,
+    dtype: torch.dtype,
+    *,
+    min_seconds: float = 0.05,
+    product: DecodeProduct | None = None,
+) -> float:
+    """`matmul_gflops` on the fastest of torch's `linear`, oneDNN on a packed weight (where torch has it for
+    `dtype`) and `product` (when given): the speed the embedded generator can reach at that shape."""
+    speeds = [matmul_gflops(rows, inner, outer, dtype, min_seconds=min_seconds)]
+    if packing_available(dtype):
+        speeds.append(matmul_gflops(rows, inner, outer, dtype, min_seconds=min_seconds, packed=True))
+    if product is not None:
+        speeds.append(matmul_gflops(rows, inner, outer, dtype, min_seconds=min_seconds, product=product))
+    return max(speeds)
 
 
 def _reason(speedup: float, hardware: str, train_speedup: float) -> str:
@@ -266,11 +292,14 @@ def _write(path: Path, verdict: PrecisionVerdict) -> None:
         Path(file.name).unlink(missing_ok=True)
 
 
-def resolve_generator_dtype(choice: str | None, policy_dtype: torch.dtype) -> tuple[str, str]:
+def resolve_generator_dtype(
+    choice: str | None, policy_dtype: torch.dtype, decode_product: DecodeProduct | None = None
+) -> tuple[str, str]:
     """The embedded generator's dtype for `GRPODataModule(generator_dtype=choice)`, and why, in words for the log.
 
     None keeps the policy's dtype; "float32" or "bfloat16" is taken as given; "auto" is bf16 where
-    `probe_matmul_precision` finds its products faster here, else the policy's dtype.
+    `probe_matmul_precision` finds its products faster here (timing `decode_product` too, when given), else the
+    policy's dtype.
 
     Raises:
         ValueError: a `choice` outside `GENERATOR_DTYPES` and None.
@@ -282,6 +311,6 @@ def resolve_generator_dtype(choice: str | None, policy_dtype: torch.dtype) -> tu
         raise ValueError(f"generator_dtype={choice!r} is not one of {GENERATOR_DTYPES} or None (the policy's dtype).")
     if choice != "auto":
         return choice, f"generator_dtype={choice!r}"
-    verdict = probe_matmul_precision()
+    verdict = probe_matmul_precision(decode_product=decode_product)
     dtype = "bfloat16" if verdict.dtype == "bfloat16" else str(policy_dtype).removeprefix("torch.")
     return dtype, f"generator_dtype='auto': {verdict.reason}"

@@ -227,10 +227,11 @@ def embedded_generator_spec(
     if generation.generator != "embedded":
         return None
     from ..models.dtype_probe import resolve_generator_dtype
+    from ..rollout.decode_linears import decode_product
     from ..rollout.generator import GeneratorSpec, PolicySpec
     from ..rollout.replicas import GeneratorReplicasSpec
 
-    dtype, why = resolve_generator_dtype(generation.generator_dtype, policy.dtype)
+    dtype, why = resolve_generator_dtype(generation.generator_dtype, policy.dtype, decode_product)
     log.info("The embedded generator samples in %s: %s.", dtype, why)
     spec = GeneratorSpec(
         PolicySpec.from_model(policy, dtype),

@@ -20,7 +20,7 @@ from typing import get_args
 
 import torch
 
-from ..models.packed_matmul import pack_weight, packed_linear
+from ..models.packed_matmul import pack_weight, packed_linear, packing_available
 from ..options import GeneratorQuantization as Quantization
 from . import small_matmul, tile_matmul
 
@@ -60,6 +60,17 @@ def packed_product(weight: torch.Tensor, bias: torch.Tensor | None, int8: bool =
         return lambda x: tile_matmul.linear(x, tiles)
     packed = pack_weight(weight)
     return lambda x: packed_linear(x, packed, bias)
+
+
+def decode_product(weight: torch.Tensor) -> Product:
+    """`x -> x @ weight.T` as a decode step runs a bias-free layer of this weight: a `Linear`, packed where
+    `SlotDecoder` packs the layers (bf16 with `packing_available`; fp32 layers run the small-batch kernel). What
+    the precision probe times for the generator (`models.dtype_probe.probe_matmul_precision(decode_product=...)`)."""
+    out_features, in_features = weight.shape
+    module = torch.nn.Linear(in_features, out_features, bias=False, dtype=weight.dtype)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+    return Linear(module, packed=weight.dtype == torch.bfloat16 and packing_available(weight.dtype))
 
 
 class Linear:

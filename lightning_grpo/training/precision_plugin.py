@@ -5,8 +5,8 @@ instructions (AVX512_BF16, AMX, Arm's BF16) autocast to bf16 runs the matrix pro
 fp32, and on one without (AVX2) it runs them many times slower. `AutoPrecision` decides when the fit's device is
 known (`connect`, once the strategy has placed the model):
 
-- CPU: `probe_matmul_precision()`'s verdict (measured once per machine and torch, then cached): bf16-mixed where
-  bf16 products beat fp32, else 32-true;
+- CPU: `probe_matmul_precision()`'s verdict (measured once per machine and torch, then cached, with the embedded
+  generator's own products): bf16-mixed where bf16 products beat fp32, else 32-true;
 - CUDA: bf16-mixed where the GPU supports bf16 (`torch.cuda.is_bf16_supported()`), else 32-true;
 - anything else: 32-true.
 
@@ -38,8 +38,9 @@ def choose_precision(device: torch.device | str) -> tuple[str, str]:
     device = torch.device(device)
     if device.type == "cpu":
         from ..models.dtype_probe import probe_matmul_precision
+        from ..rollout.decode_linears import decode_product
 
-        verdict = probe_matmul_precision()
+        verdict = probe_matmul_precision(decode_product=decode_product)
         return ("bf16-mixed" if verdict.dtype == "bfloat16" else "32-true"), verdict.reason
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():

@@ -41,7 +41,7 @@ def test_each_shape_is_timed_on_the_path_that_runs_it_and_the_decode_product_on_
         ("bfloat16", True): 600.0,
     }
 
-    def fake_gflops(rows, inner, outer, dtype, *, min_seconds=0.02, min_reps=3, packed=False):
+    def fake_gflops(rows, inner, outer, dtype, *, min_seconds=0.02, min_reps=3, packed=False, product=None):
         timed.append(((rows, inner, outer), str(dtype).removeprefix("torch."), packed))
         return speeds[str(dtype).removeprefix("torch."), packed] * (2 if rows > 64 else 1)
 
@@ -60,6 +60,36 @@ def test_each_shape_is_timed_on_the_path_that_runs_it_and_the_decode_product_on_
     timed.clear()
     verdict = probe_matmul_precision(tmp_path, refresh=True)
     assert not any(packed for _, _, packed in timed) and verdict.bf16_speedup == 3.0
+
+
+def test_the_generators_own_product_is_timed_at_the_decode_shape_and_keys_its_own_verdict(tmp_path, monkeypatch):
+    """With `decode_product` (the generator's AMX tiles or small-batch kernel) the decode shape is also timed through
+    it, in both dtypes, and the verdict takes the fastest; the verdict is cached apart from one without it."""
+    from lightning_grpo.rollout.decode_linears import decode_product
+
+    timed = []
+
+    def fake_gflops(rows, inner, outer, dtype, *, min_seconds=0.02, min_reps=3, packed=False, product=None):
+        timed.append(((rows, inner, outer), str(dtype).removeprefix("torch."), product))
+        own = {"float32": 180.0, "bfloat16": 900.0}[str(dtype).removeprefix("torch.")]
+        return own if product is not None else 100.0
+
+    monkeypatch.setattr(dtype_probe, "matmul_gflops", fake_gflops)
+    verdict = probe_matmul_precision(tmp_path, decode_product=decode_product)
+    own = [(shape, dtype) for shape, dtype, product in timed if product is decode_product]
+    assert own == [(dtype_probe.PROBE_SHAPE, "float32"), (dtype_probe.PROBE_SHAPE, "bfloat16")]
+    assert (verdict.fp32_gflops, verdict.bf16_gflops, verdict.bf16_speedup) == (180.0, 900.0, 5.0)
+    assert probe_matmul_precision(tmp_path).key != verdict.key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_generators_own_product_multiplies_as_its_layers_do(dtype):
+    from lightning_grpo.rollout.decode_linears import decode_product
+
+    weight, x = torch.randn(96, 64).to(dtype), torch.randn(5, 64).to(dtype)
+    expected = torch.nn.functional.linear(x.double(), weight.double())
+    got = decode_product(weight)(x)
+    assert got.dtype == dtype and torch.allclose(got.double(), expected, rtol=2**-7, atol=1e-2)
 
 
 def test_the_second_call_reads_the_cached_verdict_without_timing_again(tmp_path, monkeypatch):
