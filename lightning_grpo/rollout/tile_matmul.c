@@ -249,8 +249,6 @@ static inline void store_int8(const Int8Problem *p, const int32_t *coarse, const
     }
 }
 
-/* Rows r0 .. r0 + rows of x against column block nb and, when `two`, nb + 1. Tiles: sums 0 (x1, block 0),
- * 1 (x1, block 1), 2 (x2, block 0), 3 (x2, block 1); x1 4, x2 5; weight blocks 6 and 7. */
 /* The weight stream's prefetch: `lines` cache lines from `at` at each K block of every pass, so that the bytes one
  * pair of column blocks reads are asked for over all of its passes, PREFETCH_BLOCKS KiB ahead. */
 typedef struct {
@@ -258,6 +256,9 @@ typedef struct {
     int lines;
 } Ahead;
 
+/* Rows r0 .. r0 + rows of x against column block nb and, when `two`, nb + 1. Tiles: sums 0 (x1, block 0),
+ * 1 (x1, block 1), 2 (x2, block 0), 3 (x2, block 1); x1 4, x2 5; weight blocks 6 and 7. Each weight tile is
+ * loaded right before its products, which measured faster than loading all four operands first. */
 static void block_pair_int8(const Int8Problem *p, int64_t r0, int rows, int64_t nb, int two, Ahead *ahead,
                             int32_t *sums) {
     const int64_t strip = p->kblocks * 1024;
