@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from lightning_grpo.models.dtype_probe import probe_matmul_precision
+from lightning_grpo.rollout.decode_linears import decode_product
 from lightning_grpo.rollout.sampling import process_logits, teacher_forced_logprobs
 from lightning_grpo.training.precision_plugin import AutoPrecision
 
@@ -58,7 +59,7 @@ class SampledByVersion(pl.Callback):
 
 
 def bf16_default_or_skip() -> None:
-    verdict = probe_matmul_precision()
+    verdict = probe_matmul_precision(decode_product=decode_product)
     if verdict.dtype != "bfloat16":
         pytest.skip(f"the defaults are fp32 on this CPU, as the rest of the suite runs: {verdict.reason}")
 
@@ -116,7 +117,7 @@ def test_the_default_fit_on_a_fast_bf16_cpu_trains_bf16_mixed_and_samples_by_bf1
     with caplog.at_level("INFO"):
         trainer.fit(module, datamodule=datamodule)
 
-    reason = probe_matmul_precision().reason
+    reason = probe_matmul_precision(decode_product=decode_product).reason
     assert trainer.precision_plugin.precision == "bf16-mixed"
     assert f"AutoPrecision: training in bf16-mixed ({reason})" in caplog.text
     assert f"The embedded generator samples in bfloat16: generator_dtype='auto': {reason}." in caplog.text
