@@ -173,12 +173,9 @@ def linear(x: torch.Tensor, weight: TileWeight) -> torch.Tensor:
     shape = (rows, weight.out_features, weight.in_features, threads)
     if weight.scale is None:
         functions["tile_linear"](x.data_ptr(), weight.tiles.data_ptr(), bias, out.data_ptr(), *shape)
-    elif (
-        functions["tile_linear_int8"](
-            x.data_ptr(), weight.tiles.data_ptr(), weight.scale.data_ptr(), bias, out.data_ptr(), *shape
-        )
-        < 0
-    ):
+        return out
+    scale = weight.scale.data_ptr()
+    if functions["tile_linear_int8"](x.data_ptr(), weight.tiles.data_ptr(), scale, bias, out.data_ptr(), *shape) < 0:
         raise RuntimeError(f"tile_matmul.linear could not allocate the split rows of x {tuple(x.shape)}.")
     return out
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -38,15 +40,21 @@ def vector_build(request, monkeypatch):
 
 
 @pytest.fixture
-def two_threads(monkeypatch):
-    """`two_threads(kernel, ...)` runs the rest of the test on 2 torch threads with every weight of those kernel
-    modules split between them (`SPLIT_MIN_NUMEL` 0); the thread count is restored afterwards."""
+def kernel_threads(monkeypatch):
+    """`kernel_threads(threads, kernel, ...)` runs the rest of the test on `threads` torch threads with every weight
+    of those kernel modules split between them (`SPLIT_MIN_NUMEL` 0); the thread count is restored afterwards."""
     previous = torch.get_num_threads()
 
-    def split(*kernels) -> None:
+    def split(threads: int, *kernels) -> None:
         for kernel in kernels:
             monkeypatch.setattr(kernel, "SPLIT_MIN_NUMEL", 0)
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
 
     yield split
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def two_threads(kernel_threads):
+    """`two_threads(kernel, ...)`: `kernel_threads` on 2 threads."""
+    return functools.partial(kernel_threads, 2)

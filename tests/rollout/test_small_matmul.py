@@ -31,26 +31,21 @@ def test_the_kernel_runs_on_an_x86_cpu_with_avx2_and_a_c_compiler():
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 20, 64])
-def test_products_match_float64_for_every_leftover_of_rows_columns_and_features(rows, threads, monkeypatch):
+def test_products_match_float64_for_every_leftover_of_rows_columns_and_features(rows, threads, kernel_threads):
     """Columns not a multiple of 4 and features not a multiple of 8 run the kernel's leftover paths; with `threads`
     2 every weight is split between two threads."""
-    monkeypatch.setattr(small_matmul, "SPLIT_MIN_NUMEL", 0)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        generator = torch.Generator().manual_seed(rows)
-        for columns in (1, 3, 4, 5, 13, 100):
-            for features in (1, 3, 8, 9, 17, 64, 576):
-                x = torch.randn(rows, features, generator=generator)
-                weight = torch.randn(columns, features, generator=generator)
-                bias = torch.randn(columns, generator=generator)
-                for b in (None, bias):
-                    expected = F.linear(x.double(), weight.double(), None if b is None else b.double()).float()
-                    got = small_matmul.linear(x, weight, b)
-                    assert got.shape == (rows, columns) and got.dtype == torch.float32
-                    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * features**0.5)
-    finally:
-        torch.set_num_threads(previous)
+    kernel_threads(threads, small_matmul)
+    generator = torch.Generator().manual_seed(rows)
+    for columns in (1, 3, 4, 5, 13, 100):
+        for features in (1, 3, 8, 9, 17, 64, 576):
+            x = torch.randn(rows, features, generator=generator)
+            weight = torch.randn(columns, features, generator=generator)
+            bias = torch.randn(columns, generator=generator)
+            for b in (None, bias):
+                expected = F.linear(x.double(), weight.double(), None if b is None else b.double()).float()
+                got = small_matmul.linear(x, weight, b)
+                assert got.shape == (rows, columns) and got.dtype == torch.float32
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * features**0.5)
 
 
 @needs_kernel

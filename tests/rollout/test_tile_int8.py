@@ -75,23 +75,18 @@ def test_quantize_rounds_each_row_on_its_own_grid_bit_for_bit():
 @needs_int8
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64, 130])
-def test_int8_products_match_float64_of_the_rounded_weight_for_every_leftover(rows, threads, monkeypatch):
+def test_int8_products_match_float64_of_the_rounded_weight_for_every_leftover(rows, threads, kernel_threads):
     """Rows past each 16 and columns past each 16 (odd counts of blocks) run partial tiles; K from one int8 tile (64)
     to 1,536; with `threads` 2 every weight is split between two threads; x holds an outlier."""
-    monkeypatch.setattr(tile_matmul, "SPLIT_MIN_NUMEL", 0)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        generator = torch.Generator().manual_seed(rows)
-        for columns in (1, 16, 40, 100):
-            for features in (64, 192, 1536):
-                x, weight = _bf16(rows, features, generator=generator), _bf16(columns, features, generator=generator)
-                x[0, 0] = 60.0
-                for bias in (None, _bf16(columns, generator=generator)):
-                    got = tile_matmul.linear(x, tile_matmul.pack(weight, bias, int8=True))
-                    _within_int8_error(got, x, weight, bias)
-    finally:
-        torch.set_num_threads(previous)
+    kernel_threads(threads, tile_matmul)
+    generator = torch.Generator().manual_seed(rows)
+    for columns in (1, 16, 40, 100):
+        for features in (64, 192, 1536):
+            x, weight = _bf16(rows, features, generator=generator), _bf16(columns, features, generator=generator)
+            x[0, 0] = 60.0
+            for bias in (None, _bf16(columns, generator=generator)):
+                got = tile_matmul.linear(x, tile_matmul.pack(weight, bias, int8=True))
+                _within_int8_error(got, x, weight, bias)
 
 
 @needs_int8

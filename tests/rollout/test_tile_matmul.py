@@ -38,22 +38,17 @@ def _within_one_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
 @needs_tiles
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 31, 32, 33, 64, 65, 130])
-def test_products_match_float64_for_every_leftover_of_rows_and_columns(rows, threads, monkeypatch):
+def test_products_match_float64_for_every_leftover_of_rows_and_columns(rows, threads, kernel_threads):
     """Rows past each 16 and 32, columns not a multiple of 16 and odd counts of 16-column blocks run the kernel's
     partial tiles; K from one tile (32) to 1,536; with `threads` 2 every weight is split between two threads."""
-    monkeypatch.setattr(tile_matmul, "SPLIT_MIN_NUMEL", 0)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        generator = torch.Generator().manual_seed(rows)
-        for columns in (1, 16, 40, 48, 100):
-            for features in (32, 96, 1536):
-                x, weight = _bf16(rows, features, generator=generator), _bf16(columns, features, generator=generator)
-                for bias in (None, _bf16(columns, generator=generator)):
-                    got = tile_matmul.linear(x, tile_matmul.pack(weight, bias))
-                    _within_one_rounding(got, x, weight, bias)
-    finally:
-        torch.set_num_threads(previous)
+    kernel_threads(threads, tile_matmul)
+    generator = torch.Generator().manual_seed(rows)
+    for columns in (1, 16, 40, 48, 100):
+        for features in (32, 96, 1536):
+            x, weight = _bf16(rows, features, generator=generator), _bf16(columns, features, generator=generator)
+            for bias in (None, _bf16(columns, generator=generator)):
+                got = tile_matmul.linear(x, tile_matmul.pack(weight, bias))
+                _within_one_rounding(got, x, weight, bias)
 
 
 @needs_tiles
