@@ -43,6 +43,8 @@ class RolloutContract:
         multi_objective_aggregation: `"sum_then_normalize"` or `"normalize_then_sum"`.
         scale_rewards: `"group"`, `"batch"` or `"none"`.
         mask_truncated_completions: truncated completions train nothing.
+        drop_no_signal_groups: trainer-scored samples whose advantage is exactly 0 leave the loss (and a group with
+            none left is dropped); False: they train, counted in the normaliser, as GRPOTrainer's do.
         advantage_estimator: the advantages' baseline, `"grpo"`, `"rloo"` or `"reinforce_plus_plus"` (trainer-scored
             groups are scored with it).
         conversation: how prompts become conversations (prompt format, tools, environments), which validation runs
@@ -76,6 +78,7 @@ class RolloutContract:
     min_p: float | None = None
     conversation: ConversationSpec | None = None
     stop: tuple[str, ...] = ()
+    drop_no_signal_groups: bool = True
 
     def __post_init__(self) -> None:
         if len(self.reward_weights) != len(self.reward_names):
@@ -107,6 +110,7 @@ def build_contract(options: DataModuleOptions, data: PromptData, reward_funcs: S
         min_p=sampling.min_p,
         conversation=data.conversation,
         stop=tuple(sampling.stop or ()),
+        drop_no_signal_groups=options.steps.drop_no_signal_groups,
     )
 
 

@@ -105,6 +105,7 @@ class GRPODataModule(pl.LightningDataModule):
         token_budget: cap on one micro-batch row's unique tokens (tree-packed); `<= 0` caps samples instead.
         stall_groups: groups in a row consumed without one training before the run fails (default: one pass).
         mask_truncated_completions: completions that hit the length limit train nothing.
+        drop_no_signal_groups: drop groups whose advantages are all 0 (DAPO's dynamic sampling); False trains them.
         heartbeat_timeout: seconds without a heartbeat from the rollout child before it counts as hung.
         child_ready_timeout: seconds to wait for the child to load the policy and start.
         generator_threads: torch threads of the embedded generator (None: torch's default), or of each replica.
@@ -196,6 +197,7 @@ class GRPODataModule(pl.LightningDataModule):
         token_budget: int = 0,
         stall_groups: int | None = None,
         mask_truncated_completions: bool = False,
+        drop_no_signal_groups: bool = True,
         heartbeat_timeout: float = 300.0,
         child_ready_timeout: float = 300.0,
         generator_threads: int | None = 1,
@@ -331,8 +333,7 @@ class GRPODataModule(pl.LightningDataModule):
     @property
     def progress(self) -> RolloutProgress | None:
         """Rank 0's progress ledger (None on other ranks and before `setup`)."""
-        on_rank_zero = self.trainer is None or self.trainer.is_global_zero
-        return self._progress if on_rank_zero else None
+        return self._progress if self.trainer is None or self.trainer.is_global_zero else None
 
     def finish_step(self, batch: StepBatch, *, look_ahead: bool) -> RolloutStop | None:
         """Every rank, after `batch`'s optimizer step: commit its groups (rank 0), and with `look_ahead` fetch the next
@@ -435,8 +436,7 @@ class GRPODataModule(pl.LightningDataModule):
         self.train_prompts = data.prompts
 
     def _module_model_name(self) -> str | None:
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        name = getattr(module, "model_name", None)
+        name = getattr(self.trainer.lightning_module if self.trainer is not None else None, "model_name", None)
         return name if isinstance(name, str) else None
 
     def _make_weight_sync(self) -> None:

@@ -89,6 +89,7 @@ class StepOptions:
     token_budget: int  #: unique tokens in one micro-batch row; <= 0: cap samples instead
     stall_groups: int | None  #: groups in a row consumed without training before the run fails; None: one pass
     mask_truncated_completions: bool  #: truncated completions train nothing
+    drop_no_signal_groups: bool  #: groups whose completions all score alike are dropped, not trained
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,3 +137,29 @@ def test_a_bf16_generator_samples_by_bf16_weights_and_the_fp32_trainer_sees_the_
         np.testing.assert_allclose(sample.old_log_probs[prompt_len:], expected.numpy(), atol=2e-2)
     assert recorder.records[0]["metrics"]["sampling/sampling_logp_difference/mean"] > 1e-4
     assert trainer.global_step == len(recorder.records) > 0
+
+
+@pytest.mark.timeout(240)
+def test_groups_without_signal_train_when_asked_and_fill_their_steps(no_leaked_processes):
+    """`drop_no_signal_groups=False` (GRPOTrainer's behaviour): under a constant reward every group's advantages are
+    0, yet every group trains once, in full steps, with its tokens in the loss (the entropy bonus moves the policy);
+    the default drops them all and stalls (`test_main_job`'s constant-reward run)."""
+    from helpers.fit_rewards import constant_reward
+
+    from lightning_grpo.models import tiny_llama
+
+    recorder = StepRecorder()
+    datamodule = tiny_datamodule(8, reward_funcs=[constant_reward], drop_no_signal_groups=False)
+    module = GRPOModule("tiny-random", learning_rate=1e-2, entropy_coef=0.1)
+    trainer = cpu_trainer(callbacks=[recorder])
+    trainer.fit(module, datamodule=datamodule)
+
+    progress = datamodule.progress
+    assert progress.trained_total == 8 and not progress.dropped and sorted(progress.consumed) == list(range(8))
+    per_step = datamodule.groups_per_step()
+    assert [len(groups) for groups in recorder.steps] == [per_step] * (8 // per_step)
+    assert all(advantage == 0.0 for step in recorder.records for advantage in step["advantages"].values())
+    assert all(step["metrics"]["entropy"] > 0 for step in recorder.records)
+    start = dict(tiny_llama(seed=0).named_parameters())
+    moved = [name for name, value in module.policy.named_parameters() if not torch.equal(value, start[name])]
+    assert moved, "the zero-advantage tokens trained nothing"

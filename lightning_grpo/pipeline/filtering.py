@@ -26,8 +26,8 @@ class SampleFilterQueue:
     - `oversize`: a sample has more than `token_budget` tokens (only when `token_budget > 0`).
     - `truncated`: every sample is truncated, under `mask_truncated_completions`. In a partly truncated group the
       truncated samples stay (for scoring) with their `completion_mask` zeroed, so they train nothing.
-    - `no_signal`: every sample that still trains has advantage exactly 0. Groups with a pending (NaN) advantage pass
-      through for trainer scoring.
+    - `no_signal`: every sample that still trains has advantage exactly 0 (only with `drop_no_signal_groups`). Groups
+      with a pending (NaN) advantage pass through for trainer scoring.
 
     A group already consumed (a duplicate; never expected) is skipped with a warning, so nothing trains twice.
     Metrics appended to `metrics`: `progress/dropped_<reason>_total`, and for each passed group
@@ -40,6 +40,7 @@ class SampleFilterQueue:
         max_staleness: how many versions a group may lag the policy.
         mask_truncated_completions: drop fully truncated groups and mask truncated samples.
         token_budget: the planner's per-row token cap; `<= 0` disables the oversize check.
+        drop_no_signal_groups: drop groups without a learning signal (False: they train, as in GRPOTrainer).
         metrics: TRL-style sink, `dict[str, list]`.
     """
 
@@ -52,6 +53,7 @@ class SampleFilterQueue:
         max_staleness: int,
         mask_truncated_completions: bool,
         token_budget: int,
+        drop_no_signal_groups: bool = True,
         metrics: dict[str, list] | None = None,
     ) -> None:
         if max_staleness < 0:
@@ -62,6 +64,7 @@ class SampleFilterQueue:
         self.max_staleness = max_staleness
         self.mask_truncated_completions = mask_truncated_completions
         self.token_budget = token_budget
+        self.drop_no_signal_groups = drop_no_signal_groups
         self.metrics = metrics
 
     def get(self, timeout: float | None = None) -> list[RolloutSample]:
@@ -116,7 +119,7 @@ class SampleFilterQueue:
         if all(masked):
             return "truncated"
         advantages = [sample.advantage for sample in group]
-        if any(math.isnan(a) for a in advantages):
+        if not self.drop_no_signal_groups or any(math.isnan(a) for a in advantages):
             return None
         if all(a == 0.0 for a, m in zip(advantages, masked, strict=True) if not m):
             return "no_signal"

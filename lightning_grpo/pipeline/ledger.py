@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 
 #: Why `SampleFilterQueue` drops a group, and the knob that changes it (quoted in the stall error).
 DROP_HINTS = {
-    "no_signal": "every sample of a group got the same reward: check the reward functions, or raise "
-    "num_generations or the sampling temperature",
+    "no_signal": "every sample of a group got the same reward: check the reward functions, raise num_generations "
+    "or the sampling temperature, or train such groups (drop_no_signal_groups=False)",
     "stale": "groups arrived more than max_staleness versions behind the policy: raise max_staleness, or generate "
     "less far ahead (lower max_inflight_tasks)",
     "truncated": "every completion hit the length limit: raise max_completion_length, or set "

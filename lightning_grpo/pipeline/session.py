@@ -113,6 +113,7 @@ class RolloutSession:
             model_version=model_version,
             max_staleness=steps.max_staleness,
             mask_truncated_completions=steps.mask_truncated_completions,
+            drop_no_signal_groups=steps.drop_no_signal_groups,
             heartbeat_timeout=session.options.generation.heartbeat_timeout,
             metrics=metrics,
             core_sharing=session.core_sharing,

@@ -58,6 +58,7 @@ class RolloutPipeline:
         max_staleness: policy versions a group may lag when it trains (`SampleFilterQueue`).
         mask_truncated_completions: drop fully truncated groups, mask truncated samples (`SampleFilterQueue`).
         heartbeat_timeout: seconds without a heartbeat after which the rollout child counts as hung.
+        drop_no_signal_groups: drop groups whose advantages are all 0 (`SampleFilterQueue`).
         metrics: the sink the pipeline's stages append to.
         core_sharing: a `CoreSharing` to tell the generator while the trainer waits for rollouts, or None.
         interrupted: polled (about once a second) while the trainer waits for rollouts; when it returns True the wait
@@ -75,6 +76,7 @@ class RolloutPipeline:
         max_staleness: int,
         mask_truncated_completions: bool,
         heartbeat_timeout: float,
+        drop_no_signal_groups: bool = True,
         metrics: dict[str, list],
         core_sharing: Any = None,
         interrupted: Callable[[], bool] | None = None,
@@ -93,6 +95,7 @@ class RolloutPipeline:
             max_staleness=max_staleness,
             mask_truncated_completions=mask_truncated_completions,
             token_budget=planner_kwargs.get("token_budget", 0),
+            drop_no_signal_groups=drop_no_signal_groups,
             metrics=metrics,
         )
         self.planner = StepPlanner(filtered, progress=progress, metrics=metrics, **planner_kwargs)

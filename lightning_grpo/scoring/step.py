@@ -4,8 +4,8 @@ With trainer scorers the rollout child scores only its own reward columns and le
 (pending). The planner keeps every group inside one optimizer step, and `score_step`, called on every rank before
 the step trains, runs each scorer's forward on the rank's micro-batches, all-gathers the features, computes the
 groups' rewards and advantages and writes them into the micro-batches. Samples that carry no gradient (zero
-advantage, or truncated under `mask_truncated_completions`) are taken out of the loss and of its normalizer, which is
-what dropping them before packing would have done.
+advantage under `drop_no_signal_groups`, or truncated under `mask_truncated_completions`) are taken out of the loss
+and of its normalizer, which is what dropping them before packing would have done.
 
 A scorer's life in one step (see `TrainerScorer`): `group_extras` (rank 0, planning) -> `collate` (rank 0, packing;
 its inputs travel in each micro-batch under `s{index}_` keys) -> `features` (every rank, every chunk) ->
@@ -78,17 +78,19 @@ def score_step(
     progress: RolloutProgress | None = None,
     group: dist.ProcessGroup | None = None,
     advantage_estimator: AdvantageEstimator = "grpo",
+    drop_no_signal_groups: bool = True,
 ) -> ScoredStep | None:
     """Score one optimizer step's micro-batches in place (see the module doc); call it on every rank.
 
     Runs every scorer's `features` on this rank's micro-batches (one call per chunk), all-gathers uids, features and
     per-sample data once, and for each pending group (advantage NaN) computes the scorers' columns, merges them with
     the rollout columns and calls `compute_group_advantages`. Groups whose advantages are known pass through
-    untouched. In pending groups, a sample whose advantage is exactly 0, or that is truncated under
-    `mask_truncated_completions`, is taken out of the loss: its terms are removed from `token_index`,
+    untouched. In pending groups, a sample whose advantage is exactly 0 (under `drop_no_signal_groups`), or that is
+    truncated under `mask_truncated_completions`, is taken out of the loss: its terms are removed from `token_index`,
     `old_log_probs`, `advantages` and `segment_id`, and every micro-batch's `step_trained_tokens` and
-    `step_sequences` become the step's remaining term and sample counts. On rank 0, `progress.train` gets the scored groups that train and `progress.exclude` those
-    that do not (reason `"no_signal"`, or `"truncated"` when truncation masked samples that had a signal).
+    `step_sequences` become the step's remaining term and sample counts. On rank 0, `progress.train` gets the scored
+    groups that train and `progress.exclude` those that do not (reason `"no_signal"`, or `"truncated"` when
+    truncation masked samples that had a signal).
 
     `scale_rewards="batch"` divides by one standard deviation over the step's pending groups (`batch_advantages`).
 
@@ -100,6 +102,8 @@ def score_step(
         aggregation, scale_rewards: as in `compute_group_advantages`.
         advantage_estimator: the baseline (`compute_group_advantages`' `estimator`).
         mask_truncated_completions: also take truncated samples of scored groups out of the loss.
+        drop_no_signal_groups: take samples whose advantage is exactly 0 out of the loss (False: they train, counted
+            in the normaliser, as in GRPOTrainer).
         progress: rank 0's `RolloutProgress` (ignored on other ranks).
         group: process group for the all-gather (default: the default group; a gloo side group keeps pickled
             objects off NCCL). Without torch.distributed initialised, the world is this process.
@@ -130,7 +134,7 @@ def score_step(
     features = [_merge_features([g["features"][k] for g in gathered]) for k in range(len(scorers))]
     options = (aggregation, scale_rewards, advantage_estimator)
     scored = _score_groups(table, features, scorers, weights, options, names)
-    scored.trained = _trains(table, scored, mask_truncated_completions)
+    scored.trained = _trains(table, scored, mask_truncated_completions, drop_no_signal_groups)
     _rewrite_micro_batches(step.micro_batches, table, scored)
     scored.excluded_group_ids = [
         g for g in scored.group_ids if not scored.trained[table.group_of(scored.uids) == g].any()
@@ -315,9 +319,13 @@ def _advantages(
     return batch_advantages(signals, centred, estimator)
 
 
-def _trains(table: _SampleTable, scored: ScoredStep, mask_truncated_completions: bool) -> np.ndarray:
+def _trains(
+    table: _SampleTable, scored: ScoredStep, mask_truncated_completions: bool, drop_no_signal_groups: bool
+) -> np.ndarray:
     index = np.searchsorted(table.uid, scored.uids)
-    keep = (scored.advantages != 0.0) & (table.terms[index] > 0)
+    keep = table.terms[index] > 0
+    if drop_no_signal_groups:
+        keep &= scored.advantages != 0.0
     if mask_truncated_completions:
         keep &= ~table.truncated[index]
     return keep
@@ -406,4 +414,5 @@ def score_module_step(
         progress=progress,
         group=group,
         advantage_estimator=contract.advantage_estimator,
+        drop_no_signal_groups=contract.drop_no_signal_groups,
     )

@@ -47,6 +47,7 @@ def pipeline(
     version: int = 0,
     metrics: dict | None = None,
     health_check=None,
+    drop_no_signal_groups: bool = True,
 ) -> DataLoader:
     """Rank 0's data path, as the data module builds it."""
     groups = GroupedQueue(q, health_check=health_check, poll_interval_s=POLL_S)
@@ -57,6 +58,7 @@ def pipeline(
         max_staleness=max_staleness,
         mask_truncated_completions=True,
         token_budget=token_budget,
+        drop_no_signal_groups=drop_no_signal_groups,
         metrics=metrics,
     )
     planner = StepPlanner(
@@ -163,6 +165,31 @@ def test_mixed_stream_counts_each_drop_reason_once_and_consumes_every_group_once
     }
     assert metrics["sample/staleness_max"] == [0.0, 0.0, 1.0] and len(metrics["sample/time_in_queue_s"]) == 12
     assert progress.consumed == set(range(8)) and progress.trained_total == 3
+
+
+@pytest.mark.timeout(60)
+def test_groups_without_signal_train_when_not_dropped_and_other_drops_stay():
+    """`drop_no_signal_groups=False`: the all-zero group and the group whose only signal was masked train; the stale,
+    truncated and oversize drops are unchanged."""
+    groups = [
+        make_group(0, version=5),
+        make_group(1, version=0),  # stale
+        make_group(2, version=5, truncated=[True] * 4),
+        make_group(3, version=5, completion_lens=[3, 3, 60, 3]),  # oversize
+        make_group(4, version=5, advantages=[0.0] * 4),
+        make_group(5, version=5, advantages=[1.0, 0.0, 0.0, 0.0], truncated=[True, False, False, False]),
+    ]
+    metrics: dict[str, list] = {}
+    progress = RolloutProgress(total_groups=6, stall_groups=6)
+    loader = pipeline(
+        queue_of(groups), progress, token_budget=40, max_staleness=2, version=5, metrics=metrics,
+        drop_no_signal_groups=False,
+    )  # fmt: skip
+    run = train_like_lightning(loader, progress)
+    assert run.stop.error is None
+    assert sorted(trained_ids(run.steps)) == [0, 4, 5]
+    assert progress.dropped == {"stale": 1, "truncated": 1, "oversize": 1}
+    assert "progress/dropped_no_signal_total" not in metrics and progress.trained_total == 3
 
 
 def test_filter_skips_a_group_consumed_before_a_resume():

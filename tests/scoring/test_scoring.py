@@ -125,6 +125,30 @@ def test_zero_advantage_sample_leaves_the_loss_and_the_normalizer():
     assert progress.consumed == {0} and not progress.excluded
 
 
+def test_without_dropping_zero_advantage_samples_train_and_count_in_the_normalizer():
+    """`drop_no_signal_groups=False` (GRPOTrainer's behaviour): the mean sample and a constant scorer's groups keep
+    their terms, with advantage 0, and count in the step's normaliser; every group is reported as trained."""
+    groups = [rollout_group(0, 5, [3, 4, 6], seed=0, rewards=[2.0, 1.0, 0.0])]
+    progress = RolloutProgress(total_groups=4, stall_groups=4)
+    scorers = [rm()]
+    step = one_rank_step(groups, scorers, progress=progress)
+    scored = score_step(
+        MODULE, step, scorers=scorers, reward_weights=[1.0, 0.0], progress=progress, drop_no_signal_groups=False
+    )
+    assert scored.advantages[1] == 0.0 and scored.trained.all()
+    terms = terms_by_uid(step.micro_batches)
+    assert terms[1] == ([0.0], 4) and step.micro_batches[0]["step_trained_tokens"].item() == 13.0
+    assert progress.consumed == {0} and not progress.excluded
+
+    constant = [rm(constant=True)]
+    groups = [rollout_group(g, 5, [3, 4, 2], seed=g) for g in range(1, 3)]
+    step = one_rank_step(groups, constant, progress=progress)
+    scored = score_step(MODULE, step, scorers=constant, progress=progress, drop_no_signal_groups=False)
+    assert scored.excluded_group_ids == [] and scored.trained.all() and not (scored.advantages != 0).any()
+    assert step.micro_batches[0]["step_trained_tokens"].item() == 18.0
+    assert progress.consumed == {0, 1, 2} and not progress.excluded
+
+
 def test_known_groups_pass_through_untouched():
     groups = [rollout_group(0, 4, [3, 3], seed=0, rewards=[1, 0], advantage=0.7), rollout_group(1, 4, [2, 5], seed=1)]
     scorers = [rm()]
