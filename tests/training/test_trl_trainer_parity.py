@@ -9,8 +9,8 @@ branches.
 
 Our side takes the same tokens as the rollout loop would send them: each completion a `RolloutSample` of its prompt
 group, the generator's log-probabilities (TRL's sampling ones; without a generator, the old ones of the policy that
-sampled) and our advantages of the same rewards (`compute_group_advantages`, checked equal to TRL's), packed by the
-real `StepPlanner` and `ProgressCollator` into one micro-batch. `micro_batch_loss` then runs on a copy of TRL's
+sampled) and our advantages of the same rewards (`compute_group_advantages`, checked equal to TRL's), passed through
+the real `SampleFilterQueue` and packed by the real `StepPlanner` and `ProgressCollator` into one micro-batch. `micro_batch_loss` then runs on a copy of TRL's
 weights at each step, as `GRPOModule` runs it: the reference's log-probabilities from our `ReferenceModel` over the
 packed row, the first update's log-probabilities as the second's `proximal_log_probs`.
 
@@ -23,15 +23,19 @@ not classified below fails. Each configuration also checks that what it tests ac
 from __future__ import annotations
 
 import math
+import queue
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from helpers.tiny import collate_step, plan_step
-from helpers.trl_grpo import LOSS_METRICS, RecordingGRPOTrainer, perturbed, tiny_policy, train_grpo
+from helpers.trl_grpo import LOSS_METRICS, RecordingGRPOTrainer, char_tokenizer, perturbed, tiny_policy, train_grpo
 
 from lightning_grpo.models import tiny_llama
+from lightning_grpo.pipeline.filtering import SampleFilterQueue
 from lightning_grpo.rollout.advantages import compute_group_advantages
 from lightning_grpo.rollout.records import RolloutSample
 from lightning_grpo.training.loss import LossContext, micro_batch_loss
@@ -85,8 +89,24 @@ def digit_sum_reward(completions: list | None, completion_ids: list[list[int]], 
     return [float(sum(ids) % 7) / 7 for ids in completion_ids]
 
 
-def train_trl(tmp_path: Path, options: dict) -> tuple[RecordingGRPOTrainer, torch.nn.Module | None]:
-    """GRPOTrainer trained two steps under `options` (GRPOConfig's loss names); returns it and its reference."""
+def one_group_alike(
+    completions: list | None, completion_ids: list[list[int]], prompts: list[list[dict]], **kwargs: object
+) -> list[float]:
+    """`digit_sum_reward`, except that the completions of the call's first prompt (in sorted order) all score 0.5:
+    a group without signal, which GRPOTrainer trains with advantages 0."""
+    alike = min(prompt[-1]["content"] for prompt in prompts)
+    scores = digit_sum_reward(completions, completion_ids)
+    return [0.5 if prompt[-1]["content"] == alike else score for prompt, score in zip(prompts, scores, strict=True)]
+
+
+one_group_alike.__name__ = "digit_sum_reward"  # logged under the same names as `digit_sum_reward`
+
+
+def train_trl(
+    tmp_path: Path, options: dict, reward: Callable = digit_sum_reward
+) -> tuple[RecordingGRPOTrainer, torch.nn.Module | None]:
+    """GRPOTrainer trained two steps under `options` (GRPOConfig's loss names) with `reward`; returns it and its
+    reference."""
     policy = tiny_policy(EOS_TOKEN_IDS)
     reference = perturbed(policy, REFERENCE_NOISE, seed=1) if options.get("beta", 0.0) else None
     correction = options.get("vllm_importance_sampling_correction", False)
@@ -94,7 +114,7 @@ def train_trl(tmp_path: Path, options: dict) -> tuple[RecordingGRPOTrainer, torc
     trainer = train_grpo(
         tmp_path,
         prompts=2 * PROMPTS_PER_STEP,
-        reward_funcs=[digit_sum_reward],
+        reward_funcs=[reward],
         policy=policy,
         reference=reference,
         generator=generator,
@@ -109,16 +129,22 @@ def train_trl(tmp_path: Path, options: dict) -> tuple[RecordingGRPOTrainer, torc
     return trainer, reference
 
 
-def our_micro_batch(inputs: dict, trainer: RecordingGRPOTrainer) -> tuple[dict, dict]:
-    """TRL's trained batch as the rollout loop sends it, planned and packed into one micro-batch by the real
-    planner and collator; returns it and the step's metrics."""
+def our_micro_batch(
+    inputs: dict, trainer: RecordingGRPOTrainer, reward: Callable = digit_sum_reward, drop_no_signal_groups: bool = True
+) -> tuple[dict, dict]:
+    """TRL's trained batch as the rollout loop sends it (scored by `reward`), through the real filter (which may drop
+    groups without signal), planned and packed into one micro-batch by the real planner and collator; returns it and
+    the step's metrics."""
     prompts, completions, generator_logprobs = unpadded(inputs)
     by_prompt: dict[tuple, list[int]] = {}
     for i, prompt in enumerate(prompts):
         by_prompt.setdefault(tuple(prompt), []).append(i)
+    messages = {prompt: [{"role": "user", "content": prompt_content(prompt)}] for prompt in by_prompt}
+    step_prompts = [messages[tuple(prompt)] for prompt in prompts]
+    step_rewards = reward(None, completions, prompts=step_prompts)  # one call over the step's batch, as TRL's
     groups = []
     for group_id, rows in enumerate(by_prompt.values()):
-        columns = np.array([digit_sum_reward(None, [completions[i] for i in rows])])
+        columns = np.array([[step_rewards[i] for i in rows]])
         rewards, advantages = compute_group_advantages(
             columns,
             np.ones(1),
@@ -132,10 +158,38 @@ def our_micro_batch(inputs: dict, trainer: RecordingGRPOTrainer) -> tuple[dict, 
                 for i, advantage, metrics in zip(rows, advantages, reward_metrics(rewards, columns), strict=True)
             ]
         )
+    groups = kept_groups(groups, drop_no_signal_groups)
     plan = plan_step(groups, num_processes=1, steps=1, samples_per_row=len(prompts))
     batch = collate_step(plan, (), num_processes=1, reward_names=["digit_sum_reward"])[0]
     assert len(batch.micro_batches) == 1
     return batch.micro_batches[0], batch.metrics
+
+
+def prompt_content(prompt_ids: tuple[int, ...]) -> str:
+    """The user message of a prompt's chat-rendered tokens ("Say 3.")."""
+    return re.search(r"Say \d+\.", char_tokenizer().decode(list(prompt_ids))).group()
+
+
+def kept_groups(groups: list[list[RolloutSample]], drop_no_signal_groups: bool) -> list[list[RolloutSample]]:
+    """The groups the rollout filter passes on, in order."""
+    source = queue.Queue()
+    for group in groups:
+        source.put(group)
+    filtered = SampleFilterQueue(
+        source,
+        None,
+        model_version=lambda: 0,
+        max_staleness=0,
+        mask_truncated_completions=False,
+        token_budget=0,
+        drop_no_signal_groups=drop_no_signal_groups,
+    )
+    kept = []
+    while True:
+        try:
+            kept.append(filtered.get(timeout=0))
+        except queue.Empty:
+            return kept
 
 
 def unpadded(inputs: dict) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
@@ -208,14 +262,17 @@ def assert_metrics_equal(trl: dict[str, float], ours: dict[str, float], options:
         assert ours[claimed[name]] == pytest.approx(expected, nan_ok=True, **METRIC_TOLERANCE), (step, name)
 
 
-def compare(tmp_path: Path, options: dict) -> None:
-    """Train TRL, then our loss on each of its steps: loss, every gradient, the metrics both log."""
-    trainer, reference = train_trl(tmp_path, options)
+def compare(
+    tmp_path: Path, options: dict, reward: Callable = digit_sum_reward, drop_no_signal_groups: bool = True
+) -> RecordingGRPOTrainer:
+    """Train TRL, then our loss on each of its steps: loss, every gradient, the metrics both log; returns TRL's
+    trainer."""
+    trainer, reference = train_trl(tmp_path, options, reward)
     assert len(trainer.records) == 2 and len(trainer.logs) == 2
     first, second = trainer.records
     for key, value in first.inputs.items():  # both updates train the one generated batch
         assert torch.equal(value, second.inputs[key]) if torch.is_tensor(value) else value == second.inputs[key], key
-    micro_batch, step_metrics = our_micro_batch(first.inputs, trainer)
+    micro_batch, step_metrics = our_micro_batch(first.inputs, trainer, reward, drop_no_signal_groups)
     our_options = LossOptions(**options)
     context = LossContext(max_completion_length=MAX_COMPLETION_LENGTH, temperature=trainer.temperature)
     if reference is not None:
@@ -232,6 +289,7 @@ def compare(tmp_path: Path, options: dict) -> None:
         per_step.append(ours)
         micro_batch["proximal_log_probs"] = logprobs  # as GRPOModule: the later update's anchor
     assert_exercised(our_options, per_step, first.inputs.get("importance_sampling_ratio"))
+    return trainer
 
 
 def assert_exercised(options: LossOptions, per_step: list[dict[str, float]], is_ratio: torch.Tensor | None) -> None:
@@ -298,3 +356,16 @@ def test_a_trained_grpo_trainer_step_is_our_loss_and_gradients(tmp_path: Path, o
 @pytest.mark.parametrize("options", SLOW, ids=_id)
 def test_every_loss_configuration_is_a_trained_grpo_trainers(tmp_path: Path, options: dict) -> None:
     compare(tmp_path, options)
+
+
+def test_a_group_without_signal_trains_as_grpo_trainers_when_not_dropped(tmp_path: Path) -> None:
+    """GRPOTrainer trains a group whose completions all scored alike: advantages 0, its tokens in the normaliser, its
+    KL term trained. With `drop_no_signal_groups=False` that group passes our rollout filter, and the step's loss,
+    gradients and metrics are GRPOTrainer's; by default the filter drops it."""
+    trainer = compare(tmp_path, {"loss_type": "dapo", "beta": 0.04}, one_group_alike, drop_no_signal_groups=False)
+    inputs = trainer.records[0].inputs
+    assert (inputs["advantages"] == 0).sum() == NUM_GENERATIONS  # one whole group, and only it, has no signal
+    kept, _ = our_micro_batch(inputs, trainer, one_group_alike, drop_no_signal_groups=False)
+    dropped, _ = our_micro_batch(inputs, trainer, one_group_alike, drop_no_signal_groups=True)
+    assert kept["sample_uid"].numel() == NUM_GENERATIONS * PROMPTS_PER_STEP
+    assert dropped["sample_uid"].numel() == NUM_GENERATIONS * (PROMPTS_PER_STEP - 1)
