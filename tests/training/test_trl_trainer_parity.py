@@ -10,9 +10,10 @@ branches.
 Our side takes the same tokens as the rollout loop would send them: each completion a `RolloutSample` of its prompt
 group, the generator's log-probabilities (TRL's sampling ones; without a generator, the old ones of the policy that
 sampled) and our advantages of the same rewards (`compute_group_advantages`, checked equal to TRL's), passed through
-the real `SampleFilterQueue` and packed by the real `StepPlanner` and `ProgressCollator` into one micro-batch. `micro_batch_loss` then runs on a copy of TRL's
-weights at each step, as `GRPOModule` runs it: the reference's log-probabilities from our `ReferenceModel` over the
-packed row, the first update's log-probabilities as the second's `proximal_log_probs`.
+the real `SampleFilterQueue` and packed by the real `StepPlanner` and `ProgressCollator` into one micro-batch.
+`micro_batch_loss` then runs on a copy of TRL's weights at each step, as `GRPOModule` runs it: the reference's
+log-probabilities from our `ReferenceModel` over the packed row, the first update's log-probabilities as the
+second's `proximal_log_probs`.
 
 Asserted, in fp32 (both sides; the log-probabilities are float32 on ours): the loss to 1e-5 relative (1e-6 absolute
 near 0), every parameter's gradient to 1e-5 of its norm (plus 1e-8 of the whole gradient's), and every metric TRL
