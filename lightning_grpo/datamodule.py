@@ -94,18 +94,18 @@ class GRPODataModule(pl.LightningDataModule):
         top_k: tokens kept by rank when sampling; 0 keeps all.
         min_p: drop tokens less likely than `min_p` times the most likely, in [0, 1] (TRL's `min_p`); None keeps all.
         repetition_penalty: > 0 (TRL's); above 1 discourages tokens already in the prompt or completion; 1 is off.
-        stop: strings that end a completion as an EOS does (vLLM's `stop`; the completion keeps them and is not
-            truncated). Validation's turns stop at them too.
+        stop: strings that end a completion as an EOS does (vLLM's `stop`: kept, not truncated), in validation too.
         epochs: passes over the prompts (a resume may raise it); the run ends after `epochs * len(dataset)` groups.
         seed: shuffles each epoch's prompt order.
-        max_staleness: how many policy versions a group may lag when it trains; generation is paced to stay within
-            it and the rare staler group is dropped.
+        max_staleness: policy versions a group may lag when it trains (generation is paced to it; a staler one drops).
         gradient_accumulation_steps: micro-batches per optimizer step (each rank runs this many forward/backward).
         samples_per_row: samples in one rank's micro-batch when `token_budget <= 0` (default: `num_generations`).
         token_budget: cap on one micro-batch row's unique tokens (tree-packed); `<= 0` caps samples instead.
         stall_groups: groups in a row consumed without one training before the run fails (default: one pass).
         mask_truncated_completions: completions that hit the length limit train nothing.
         drop_no_signal_groups: drop groups whose advantages are all 0 (DAPO's dynamic sampling); False trains them.
+        replace_dropped_groups: a dropped group's place in its step goes to the next group; False: the step trains
+            the groups that remain (at least one) instead of waiting for generation to make up the drops.
         heartbeat_timeout: seconds without a heartbeat from the rollout child before it counts as hung.
         child_ready_timeout: seconds to wait for the child to load the policy and start.
         generator_threads: torch threads of the embedded generator (None: torch's default), or of each replica.
@@ -126,8 +126,7 @@ class GRPODataModule(pl.LightningDataModule):
             docstring with `Args:`; a tool's result is context for the policy's next turn, never trained.
         environment_factory: a class or function making an environment, an import path, or a dict of them picked by
             each row's `environment` column (TRL's): `reset(**row)`, tool methods and an optional `get_reward()`.
-        max_tool_calling_iterations: tool rounds in one conversation; a policy that asks for more is cut off there
-            (`tools/loop_exhausted_frac`). None: no limit (TRL's default).
+        max_tool_calling_iterations: tool rounds per conversation, later ones cut off; None: no limit (TRL's default).
         tool_timeout: seconds a tool call, an environment's `reset` or its `get_reward` may take; None: no limit.
         allow_changed_data: resume with other prompts, `seed`, `num_generations` or groups per step, or fewer `epochs`,
             than the checkpoint's (else refused), with a new ledger.
@@ -198,6 +197,7 @@ class GRPODataModule(pl.LightningDataModule):
         stall_groups: int | None = None,
         mask_truncated_completions: bool = False,
         drop_no_signal_groups: bool = True,
+        replace_dropped_groups: bool = True,
         heartbeat_timeout: float = 300.0,
         child_ready_timeout: float = 300.0,
         generator_threads: int | None = 1,

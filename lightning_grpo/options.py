@@ -90,6 +90,7 @@ class StepOptions:
     stall_groups: int | None  #: groups in a row consumed without training before the run fails; None: one pass
     mask_truncated_completions: bool  #: truncated completions train nothing
     drop_no_signal_groups: bool  #: groups whose completions all score alike are dropped, not trained
+    replace_dropped_groups: bool  #: a dropped group's place in its step goes to the next group; False: stays empty
 
 
 @dataclass(frozen=True, slots=True)

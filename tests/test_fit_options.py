@@ -163,3 +163,27 @@ def test_groups_without_signal_train_when_asked_and_fill_their_steps(no_leaked_p
     start = dict(tiny_llama(seed=0).named_parameters())
     moved = [name for name, value in module.policy.named_parameters() if not torch.equal(value, start[name])]
     assert moved, "the zero-advantage tokens trained nothing"
+
+
+@pytest.mark.timeout(240)
+def test_dropped_groups_leave_their_places_empty_when_not_replaced(no_leaked_processes):
+    """`replace_dropped_groups=False`: the even prompts' groups score alike and are dropped; each step holds two
+    places and trains the groups that remain in them (none waits for a replacement; places alone make no step, so
+    the first group after them closes it); every group is consumed once and the empty places are logged."""
+    from helpers.fit_rewards import signal_on_odd_prompts
+
+    recorder = StepRecorder()
+    options = dict(reward_funcs=[signal_on_odd_prompts], samples_per_row=8, replace_dropped_groups=False)
+    datamodule = tiny_datamodule(8, **options)
+    trainer = cpu_trainer(callbacks=[recorder])
+    trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
+
+    progress = datamodule.progress
+    assert datamodule.groups_per_step() == 2
+    assert progress.dropped == {"no_signal": 4} and progress.trained_total == 4
+    assert sorted(progress.consumed) == list(range(8))
+    places = [len(groups) + record["metrics"]["batch/empty_places_per_step"] for groups, record in
+              zip(recorder.steps, recorder.records, strict=True)]  # fmt: skip
+    for place, groups in zip(places[:-1], recorder.steps, strict=False):  # more places: the first group closed it
+        assert place == 2 or (place > 2 and len(groups) == 1), (places, recorder.steps)
+    assert sum(len(groups) for groups in recorder.steps) == 4 and len(recorder.steps) > 2

@@ -6,6 +6,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,16 @@ from .ledger import RolloutProgress
 from .metrics import append_metric
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DroppedGroup:
+    """The place of a group `SampleFilterQueue` dropped, returned in its stead when drops are not replaced: the
+    planner counts it towards the open step's groups, so the step trains the groups that remain instead of waiting
+    for more."""
+
+    group_id: int
+    reason: str  #: why it was dropped: `stale`, `oversize`, `truncated` or `no_signal`
 
 
 class SampleFilterQueue:
@@ -29,6 +40,8 @@ class SampleFilterQueue:
     - `no_signal`: every sample that still trains has advantage exactly 0 (only with `drop_no_signal_groups`). Groups
       with a pending (NaN) advantage pass through for trainer scoring.
 
+    A dropped group is replaced by the next one (`get` goes on waiting), or with `replace_dropped_groups=False` it
+    keeps its place: `get` returns a `DroppedGroup` for it, which `StepPlanner` counts towards the step's groups.
     A group already consumed (a duplicate; never expected) is skipped with a warning, so nothing trains twice.
     Metrics appended to `metrics`: `progress/dropped_<reason>_total`, and for each passed group
     `sample/staleness_mean`, `sample/staleness_max` and `sample/time_in_queue_s` (per sample).
@@ -41,6 +54,8 @@ class SampleFilterQueue:
         mask_truncated_completions: drop fully truncated groups and mask truncated samples.
         token_budget: the planner's per-row token cap; `<= 0` disables the oversize check.
         drop_no_signal_groups: drop groups without a learning signal (False: they train, as in GRPOTrainer).
+        replace_dropped_groups: a dropped group's place goes to the next group (False: `get` returns a
+            `DroppedGroup`, and the place stays empty).
         metrics: TRL-style sink, `dict[str, list]`.
     """
 
@@ -54,6 +69,7 @@ class SampleFilterQueue:
         mask_truncated_completions: bool,
         token_budget: int,
         drop_no_signal_groups: bool = True,
+        replace_dropped_groups: bool = True,
         metrics: dict[str, list] | None = None,
     ) -> None:
         if max_staleness < 0:
@@ -65,25 +81,31 @@ class SampleFilterQueue:
         self.mask_truncated_completions = mask_truncated_completions
         self.token_budget = token_budget
         self.drop_no_signal_groups = drop_no_signal_groups
+        self.replace_dropped_groups = replace_dropped_groups
         self.metrics = metrics
 
-    def get(self, timeout: float | None = None) -> list[RolloutSample]:
-        """The next trainable group; raises `queue.Empty` after `timeout` seconds, `RolloutStop` when the run ends."""
+    def get(self, timeout: float | None = None) -> list[RolloutSample] | DroppedGroup:
+        """The next trainable group, or a dropped group's place when drops are not replaced; raises `queue.Empty`
+        after `timeout` seconds, `RolloutStop` when the run ends."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.progress is not None:
             self.progress.check()
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             group = self.groups.get(timeout=remaining)
-            if self._keep(group):
-                return group
+            screened = self._screen(group)
+            if isinstance(screened, DroppedGroup) and self.replace_dropped_groups:
+                continue
+            if screened is not None:
+                return screened
 
-    def _keep(self, group: list[RolloutSample]) -> bool:
+    def _screen(self, group: list[RolloutSample]) -> list[RolloutSample] | DroppedGroup | None:
+        """The group if it trains, its `DroppedGroup` if it was dropped, None for a duplicate (skipped)."""
         group_id = group[0].group_id
         if self.progress is not None and group_id in self.progress.consumed:
             log.warning("Skipping group %d: it was already consumed (a duplicate from the rollout loop).", group_id)
             append_metric(self.metrics, "progress/duplicate_total", 1.0)
-            return False
+            return None
         staleness = self.model_version() - min(sample.model_version for sample in group)
         reason = self._drop_reason(group, staleness)
         if reason is not None:
@@ -97,7 +119,7 @@ class SampleFilterQueue:
             append_metric(self.metrics, f"progress/dropped_{reason}_total", 1.0)
             if self.progress is not None:
                 self.progress.drop(group_id, reason)
-            return False
+            return DroppedGroup(group_id, reason)
         if self.mask_truncated_completions:
             for sample in group:
                 if sample.truncated:
@@ -108,7 +130,7 @@ class SampleFilterQueue:
         for sample in group:
             if sample.enqueued_at is not None:
                 append_metric(self.metrics, "sample/time_in_queue_s", now - sample.enqueued_at)
-        return True
+        return group
 
     def _drop_reason(self, group: list[RolloutSample], staleness: int) -> str | None:
         if staleness > self.max_staleness:

@@ -19,6 +19,7 @@ import numpy as np
 
 from .._trl import TreeRow
 from ..rollout.records import RolloutSample
+from .filtering import DroppedGroup
 from .ledger import GroupIdSet, RolloutProgress, RolloutStop
 from .metrics import append_metric
 
@@ -148,6 +149,7 @@ class _OpenStep:
     def __init__(self, num_rows: int, share_prefixes: bool) -> None:
         self.rows = [ScoredRow(share_prefixes) for _ in range(num_rows)]
         self.groups: list[_AcceptedGroup] = []
+        self.empty_places = 0  # groups dropped while this step was open, whose places nobody takes
 
 
 def check_step_capacity(
@@ -219,17 +221,22 @@ class StepPlanner:
     scored (uid -1). Rows are then ordered into micro-batches by attention cost, so that each micro-batch and each
     rank's total is balanced.
 
-    A step is emitted when the next group does not fit, when it holds `max_groups_per_step` groups, when no row has
-    room for the shortest completion seen so far, when every group `progress` still expects is in the open step
-    (nothing else can arrive before it trains), and when the source ends or raises `RolloutStop`: the partial step goes out first, so no sample is left behind. After a
-    `RolloutStop` the planner asks `progress.check()` again once that step is collated, since training it may have
-    cleared a stall; without `progress` it re-raises the stop.
+    A `DroppedGroup` from the source (`SampleFilterQueue(replace_dropped_groups=False)`) takes a place in the open
+    step and trains nothing, so the step goes out with fewer groups; a step is never emitted without a group.
+
+    A step is emitted when the next group does not fit, when its groups and empty places reach `max_groups_per_step`,
+    when no row has room for the shortest completion seen so far, when every group `progress` still expects is in the
+    open step (nothing else can arrive before it trains), and when the source ends or raises `RolloutStop`: the
+    partial step goes out first, so no sample is left behind. After a `RolloutStop` the planner asks `progress.check()`
+    again once that step is collated, since training it may have cleared a stall; without `progress` it re-raises the
+    stop.
 
     Iterate it on rank 0 (each iteration yields a `StepPlan`); pass the same `progress` to `ProgressCollator`.
 
     Args:
         dataset: where groups come from: an object with `get(timeout)` returning a group or raising `queue.Empty`
-            (`SampleFilterQueue`, `GroupedQueue`), or an iterable of groups (lists of `RolloutSample`).
+            (`SampleFilterQueue`, `GroupedQueue`), or an iterable of groups (lists of `RolloutSample`); either may
+            give a `DroppedGroup` instead of a group.
         num_processes: ranks; rows per micro-batch.
         steps: micro-batches per optimizer step (gradient accumulation).
         token_budget: cap on a row's unique and trained tokens; `<= 0` caps the sample count instead.
@@ -304,7 +311,9 @@ class StepPlanner:
                 group = self._pull(source)
                 if group is _END:
                     break
-                if group:
+                if isinstance(group, DroppedGroup):
+                    self._open.empty_places += 1
+                elif group:
                     plan = self._accept(group)
             except RolloutStop as exc:
                 stop = exc
@@ -323,17 +332,19 @@ class StepPlanner:
         if self._open.groups:
             yield self._emit()
 
-    def _pull(self, source: Iterator[Group] | None) -> Group | Literal[_Source.END] | None:
-        """The next group; None when none arrived within `poll_interval_s`; `_END` when an iterable ran out."""
+    def _pull(self, source: Iterator[Group] | None) -> Group | DroppedGroup | Literal[_Source.END] | None:
+        """The next group or dropped group's place; None when none arrived within `poll_interval_s`; `_END` when an
+        iterable ran out."""
         if self.progress is not None:
             self.progress.check()  # the run may have ended while the last step trained
         if source is not None:
-            group = next(source, _END)
-            return group if group is _END else list(group)
-        try:
-            return list(self.dataset.get(timeout=self.poll_interval_s))
-        except queue.Empty:
-            return None
+            item = next(source, _END)
+        else:
+            try:
+                item = self.dataset.get(timeout=self.poll_interval_s)
+            except queue.Empty:
+                return None
+        return item if item is _END or isinstance(item, DroppedGroup) else list(item)
 
     def _new_step(self) -> _OpenStep:
         return _OpenStep(self.num_rows, self.share_prefixes)
@@ -447,7 +458,8 @@ class StepPlanner:
     def _should_emit(self) -> bool:
         if self.progress is not None and self.progress.outstanding() <= len(self._open.groups):
             return True  # every group still expected is here: nothing else arrives before this step trains
-        if self.max_groups_per_step is not None and len(self._open.groups) >= self.max_groups_per_step:
+        places = len(self._open.groups) + self._open.empty_places
+        if self.max_groups_per_step is not None and places >= self.max_groups_per_step:
             return True
         return all(self._row_full(row) for row in self._open.rows)
 
@@ -477,6 +489,7 @@ class StepPlanner:
         micro_batches = self._order(step.rows)
         self.samples_planned += len(samples)
         metrics = self._step_metrics(micro_batches, len(samples), len(group_ids), spread, fillers)
+        metrics["batch/empty_places_per_step"] = float(step.empty_places)
         return StepPlan(micro_batches, samples, group_ids, pending, metrics)
 
     def _spread(self, rows: list[ScoredRow]) -> int:

@@ -114,6 +114,7 @@ class RolloutSession:
             max_staleness=steps.max_staleness,
             mask_truncated_completions=steps.mask_truncated_completions,
             drop_no_signal_groups=steps.drop_no_signal_groups,
+            replace_dropped_groups=steps.replace_dropped_groups,
             heartbeat_timeout=session.options.generation.heartbeat_timeout,
             metrics=metrics,
             core_sharing=session.core_sharing,

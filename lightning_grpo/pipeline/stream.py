@@ -59,6 +59,7 @@ class RolloutPipeline:
         mask_truncated_completions: drop fully truncated groups, mask truncated samples (`SampleFilterQueue`).
         heartbeat_timeout: seconds without a heartbeat after which the rollout child counts as hung.
         drop_no_signal_groups: drop groups whose advantages are all 0 (`SampleFilterQueue`).
+        replace_dropped_groups: a dropped group's place in the step goes to the next group (False: it stays empty).
         metrics: the sink the pipeline's stages append to.
         core_sharing: a `CoreSharing` to tell the generator while the trainer waits for rollouts, or None.
         interrupted: polled (about once a second) while the trainer waits for rollouts; when it returns True the wait
@@ -77,6 +78,7 @@ class RolloutPipeline:
         mask_truncated_completions: bool,
         heartbeat_timeout: float,
         drop_no_signal_groups: bool = True,
+        replace_dropped_groups: bool = True,
         metrics: dict[str, list],
         core_sharing: Any = None,
         interrupted: Callable[[], bool] | None = None,
@@ -96,6 +98,7 @@ class RolloutPipeline:
             mask_truncated_completions=mask_truncated_completions,
             token_budget=planner_kwargs.get("token_budget", 0),
             drop_no_signal_groups=drop_no_signal_groups,
+            replace_dropped_groups=replace_dropped_groups,
             metrics=metrics,
         )
         self.planner = StepPlanner(filtered, progress=progress, metrics=metrics, **planner_kwargs)

@@ -150,6 +150,10 @@ SECTIONS: tuple[tuple[str, tuple[MetricDoc, ...]], ...] = (
                 "Fraction of the step's forwarded tokens that train nothing (prompts, tool output).",
             ),
             ("batch/groups_per_step", "Prompt groups in the step."),
+            (
+                "batch/empty_places_per_step",
+                "Groups dropped while the step was planned whose places stayed empty (`replace_dropped_groups=False`).",
+            ),
             ("batch/samples_per_row", "Mean samples per packed row."),
             ("batch/row_tokens_mean", "Mean tokens per packed row."),
             ("batch/row_tokens_max", "Most tokens in one packed row."),

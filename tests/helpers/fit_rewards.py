@@ -22,6 +22,14 @@ def constant_reward(completions, **kwargs):
     return [1.0 for _ in completions]
 
 
+def signal_on_odd_prompts(completions, prompts, **kwargs):
+    """`char_sum_reward` for the odd prompts of `tiny_prompts` ("Say 1.", "Say 3.", ...), 1 for the even ones: the
+    even prompts' groups carry no learning signal."""
+    varying = char_sum_reward(completions)
+    odd = [int(prompt[-1]["content"].split()[1].rstrip(".")) % 2 for prompt in prompts]
+    return [reward if is_odd else 1.0 for reward, is_odd in zip(varying, odd, strict=True)]
+
+
 def length_reward(completions, **kwargs):
     """A second reward column: the completion's length."""
     return [len(c[0]["content"]) / 8 for c in completions]

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_grpo.pipeline.collating import ProgressCollator
+from lightning_grpo.pipeline.filtering import DroppedGroup
 from lightning_grpo.pipeline.grouping import GroupedQueue
 from lightning_grpo.pipeline.ledger import RolloutProgress, RolloutStop
 from lightning_grpo.pipeline.planner import GroupExtra, ScoredRow, StepPlan, StepPlanner, check_step_capacity
@@ -195,6 +196,20 @@ def test_a_duplicate_group_is_planned_once():
     groups = [make_group(0), make_group(1), make_group(0)]
     planner, plans = plan_all(groups, num_processes=1, steps=1, token_budget=200, metrics=metrics)
     assert [plan.group_ids for plan in plans] == [[0, 1]] and metrics["progress/duplicate_total"] == [1.0]
+
+
+def test_dropped_groups_keep_their_places_and_a_step_never_goes_out_without_a_group():
+    """A `DroppedGroup` counts towards `max_groups_per_step`: the step closes with the groups that remain; places
+    alone never emit a step, and the first group after them closes it."""
+    dropped = {g: DroppedGroup(g, "no_signal") for g in (1, 3, 4, 5, 8)}
+    items = [make_group(0), dropped[1], make_group(2), dropped[3], dropped[4], dropped[5], make_group(6), make_group(7)]
+    _, plans = plan_all(items + [dropped[8]], num_processes=1, steps=1, token_budget=200, max_groups_per_step=3)
+    assert [plan.group_ids for plan in plans] == [[0, 2], [6], [7]]
+    assert [plan.metrics["batch/empty_places_per_step"] for plan in plans] == [1.0, 3.0, 1.0]
+    assert [plan.metrics["batch/groups_per_step"] for plan in plans] == [2.0, 1.0, 1.0]
+    _, plans = plan_all(items, num_processes=1, steps=1, token_budget=200)  # no cap: places change nothing
+    assert [plan.group_ids for plan in plans] == [[0, 2, 6, 7]]
+    assert plan_all(list(dropped.values()), num_processes=1, steps=1, token_budget=200, max_groups_per_step=1)[1] == []
 
 
 def test_group_too_big_for_an_empty_step_is_dropped_as_oversize_and_accounted_for():

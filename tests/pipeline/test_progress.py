@@ -48,6 +48,8 @@ def pipeline(
     metrics: dict | None = None,
     health_check=None,
     drop_no_signal_groups: bool = True,
+    replace_dropped_groups: bool = True,
+    max_groups_per_step: int | None = None,
 ) -> DataLoader:
     """Rank 0's data path, as the data module builds it."""
     groups = GroupedQueue(q, health_check=health_check, poll_interval_s=POLL_S)
@@ -59,6 +61,7 @@ def pipeline(
         mask_truncated_completions=True,
         token_budget=token_budget,
         drop_no_signal_groups=drop_no_signal_groups,
+        replace_dropped_groups=replace_dropped_groups,
         metrics=metrics,
     )
     planner = StepPlanner(
@@ -70,6 +73,7 @@ def pipeline(
         progress=progress,
         metrics=metrics,
         poll_interval_s=POLL_S,
+        max_groups_per_step=max_groups_per_step,
     )
     collator = ProgressCollator(progress, num_processes=num_processes, reward_names=["acc"])
     return DataLoader(StopAwareDataset(planner), batch_size=None, num_workers=0, collate_fn=collator)
@@ -128,10 +132,12 @@ def test_all_trainable_groups_stop_right_after_the_last_group():
 
 
 @pytest.mark.timeout(60)
-def test_full_pass_without_training_raises_stall_after_exactly_stall_groups():
+@pytest.mark.parametrize("replace", [True, False])
+def test_full_pass_without_training_raises_stall_after_exactly_stall_groups(replace):
     progress = RolloutProgress(total_groups=20, stall_groups=5)
     q = queue_of([make_group(g, size=2, advantages=[0.0, 0.0]) for g in range(20)])
-    run = train_like_lightning(pipeline(q, progress), progress)
+    loader = pipeline(q, progress, max_groups_per_step=2, replace_dropped_groups=replace)
+    run = train_like_lightning(loader, progress)
     assert run.steps == []
     assert q.qsize() == (20 - 5) * 2  # it read exactly stall_groups groups, not the whole stream
     assert progress.dropped == {"no_signal": 5}
@@ -190,6 +196,27 @@ def test_groups_without_signal_train_when_not_dropped_and_other_drops_stay():
     assert sorted(trained_ids(run.steps)) == [0, 4, 5]
     assert progress.dropped == {"stale": 1, "truncated": 1, "oversize": 1}
     assert "progress/dropped_no_signal_total" not in metrics and progress.trained_total == 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("replace", [True, False])
+def test_dropped_groups_are_replaced_or_leave_their_places_empty(replace):
+    """Two groups per step. Replaced (the default), each step waits for two groups that train; not replaced, a
+    dropped group (any reason) takes its place and the step trains the rest; either way every group is consumed once
+    and the places alone never make a step."""
+    signal, none = {}, {"advantages": [0.0] * 4}
+    kinds = [signal, none, signal, signal, none, {"version": 0}, none, signal, none]  # group 5 is stale
+    progress = RolloutProgress(total_groups=len(kinds), stall_groups=len(kinds))
+    groups = [make_group(g, **({"version": 5} | kind)) for g, kind in enumerate(kinds)]
+    loader = pipeline(
+        queue_of(groups), progress, num_processes=1, max_staleness=2, version=5, max_groups_per_step=2,
+        replace_dropped_groups=replace,
+    )  # fmt: skip
+    run = train_like_lightning(loader, progress)
+    assert run.stop.error is None
+    assert run.steps == ([[0, 2], [3, 7]] if replace else [[0], [2, 3], [7]])
+    assert progress.dropped == {"no_signal": 4, "stale": 1} and progress.consumed == set(range(len(kinds)))
+    assert progress.trained_total == 4
 
 
 def test_filter_skips_a_group_consumed_before_a_resume():
@@ -436,6 +463,8 @@ def runs(draw):
         "token_budget": draw(st.sampled_from([24, 24, 40, 200])),  # every group fits one row
         "kill_after": draw(st.sampled_from([0, 1, 1, 2, 2, 3])),  # 0: run to the end, resume from its last checkpoint
         "checkpoint_every": draw(st.integers(1, 2)),
+        "max_groups_per_step": draw(st.sampled_from([None, 1, 2, 3])),
+        "replace_dropped_groups": draw(st.booleans()),  # False: a dropped group's place stays empty
     }
 
 
@@ -460,7 +489,8 @@ def test_resume_after_a_kill_at_any_step_trains_every_group_exactly_once(case):
     def run(progress, kill_after=None):
         ids = list(schedule.group_ids(skip=set(progress.consumed)))
         q = queue_of([generate(g) for g in ids])
-        options = {k: case[k] for k in ("num_processes", "steps", "token_budget")}
+        names = ("num_processes", "steps", "token_budget", "max_groups_per_step", "replace_dropped_groups")
+        options = {k: case[k] for k in names}
         return train_like_lightning(
             pipeline(q, progress, **options),
             progress,
