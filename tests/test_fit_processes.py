@@ -49,6 +49,18 @@ def test_ddp_full_pass_without_signal_raises_stall_on_both_ranks(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_ddp_steps_with_empty_places_train_on_both_ranks(tmp_path):
+    """`replace_dropped_groups=False` on 2 ranks (2 groups a step): the even prompts' groups are dropped, so a step may
+    train one group, whose samples are spread over both ranks' rows; both ranks train the same steps to the end."""
+    code, results = run_fit(tmp_path, "--devices", "2", "--scenario", "empty_places", "--prompts", "8")
+    assert code == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    assert results[0]["error"] is None and results[1]["error"] is None
+    assert results[0]["steps"] == results[1]["steps"] and results[0]["dropped"] == {"no_signal": 4}
+    check_each_group_consumed_once(results, 8)
+    assert results[0]["ended"] and results[0]["weights"] == results[1]["weights"] != ""
+
+
+@pytest.mark.timeout(300)
 def test_ddp_rollout_child_killed_mid_run_stops_both_ranks(tmp_path):
     code, results = run_fit(tmp_path, "--devices", "2", "--scenario", "kill_child", "--prompts", "16")
     assert code != 0

@@ -6,6 +6,7 @@ ended with, if any. Scenarios:
 
 - `normal`: every group trains; the run ends by itself.
 - `stall`: a constant reward; every group is dropped for no signal and the run must fail with the stall error.
+- `empty_places`: the even prompts score alike and are dropped without replacement (`replace_dropped_groups=False`).
 - `kill_child`: rank 0 SIGKILLs the rollout child after the first step; every rank must fail with its error.
 - `stop_child`: rank 0 SIGSTOPs the rollout child after the first step (recording its pid and the time as
   `stopped_child`); every rank must fail once its heartbeat is `--heartbeat-timeout` s old.
@@ -50,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the helpers (also on PYTHONPATH in the tests' sessions)
 
 from helpers.fit_probe import StepRecorder  # noqa: E402
-from helpers.fit_rewards import char_sum_reward, constant_reward  # noqa: E402
+from helpers.fit_rewards import char_sum_reward, constant_reward, signal_on_odd_prompts  # noqa: E402
 
 
 def full_weights(policy) -> dict:
@@ -181,7 +182,8 @@ def main() -> None:
                 "stopped_child": self.stopped_child,
             }
 
-    reward = constant_reward if args.scenario == "stall" else char_sum_reward
+    rewards = {"stall": constant_reward, "empty_places": signal_on_odd_prompts}
+    reward = rewards.get(args.scenario, char_sum_reward)
 
     prompts = tiny_prompts(args.prompts)
     conversation = {}
@@ -204,6 +206,7 @@ def main() -> None:
         heartbeat_timeout=args.heartbeat_timeout,
         val_dataset=prompts.select(range(min(4, len(prompts)))) if args.validate else None,
         val_batch_size=2,
+        replace_dropped_groups=args.scenario != "empty_places",
     )
     datamodule = GRPODataModule(**(options | conversation))
     lora = None
