@@ -488,8 +488,7 @@ class StepPlanner:
         self._assign_extras(step.rows, step.groups)
         micro_batches = self._order(step.rows)
         self.samples_planned += len(samples)
-        metrics = self._step_metrics(micro_batches, len(samples), len(group_ids), spread, fillers)
-        metrics["batch/empty_places_per_step"] = float(step.empty_places)
+        metrics = self._step_metrics(micro_batches, len(samples), len(group_ids), step.empty_places, spread, fillers)
         return StepPlan(micro_batches, samples, group_ids, pending, metrics)
 
     def _spread(self, rows: list[ScoredRow]) -> int:
@@ -545,7 +544,13 @@ class StepPlanner:
         return micro_batches
 
     def _step_metrics(
-        self, micro_batches: list[list[ScoredRow]], num_samples: int, num_groups: int, spread: int, fillers: int
+        self,
+        micro_batches: list[list[ScoredRow]],
+        num_samples: int,
+        num_groups: int,
+        empty_places: int,
+        spread: int,
+        fillers: int,
     ) -> dict[str, float]:
         rows = [row for mb in micro_batches for row in mb]
         row_tokens = [len(row.tokens) for row in rows]
@@ -566,6 +571,7 @@ class StepPlanner:
             "batch/packing_ratio": raw / max(sum(row_tokens), 1),
             "batch/row_fill_frac": fill,
             "batch/groups_per_step": float(num_groups),
+            "batch/empty_places_per_step": float(empty_places),
             "batch/spread_samples_total": float(spread),
             "batch/filler_rows_total": float(fillers),
         }
