@@ -104,8 +104,8 @@ class GRPODataModule(pl.LightningDataModule):
         stall_groups: groups in a row consumed without one training before the run fails (default: one pass).
         mask_truncated_completions: completions that hit the length limit train nothing.
         drop_no_signal_groups: drop groups whose advantages are all 0 (DAPO's dynamic sampling); False trains them.
-        replace_dropped_groups: a dropped group's place in its step goes to the next group; False: the step trains
-            the groups that remain (at least one) instead of waiting for generation to make up the drops.
+        replace_dropped_groups: a dropped group's place in its step goes to the next group; False: stays empty.
+        replace_early: start the replacement of a group without signal when it is scored (staler, less waiting).
         heartbeat_timeout: seconds without a heartbeat from the rollout child before it counts as hung.
         child_ready_timeout: seconds to wait for the child to load the policy and start.
         generator_threads: torch threads of the embedded generator (None: torch's default), or of each replica.
@@ -113,8 +113,7 @@ class GRPODataModule(pl.LightningDataModule):
             faster, else the policy's dtype), `"bfloat16"`, `"float32"`, or None (the policy's).
         generator_quantization: `"int8"`: the embedded generator's layer weights as int8 on AMX-INT8 CPUs (see
             `EmbeddedGenerator`; pair with `vllm_importance_sampling_correction=True`); None: the policy's weights.
-        generator_replicas: embedded generator processes, each on `generator_threads` cores of its own; each group
-            is sampled on the least loaded one. 1: the generator runs in the rollout child.
+        generator_replicas: embedded generator processes on `generator_threads` cores each (1: in the rollout child).
         trainer_threads: torch threads the trainer trains with during `fit` (restored afterwards). `"auto"`: on a CPU
             with the embedded generator, the cores it leaves (sharing idle ones); a number: that many; None: torch's.
         val_batch_size: held-out prompts per validation batch.
@@ -198,6 +197,7 @@ class GRPODataModule(pl.LightningDataModule):
         mask_truncated_completions: bool = False,
         drop_no_signal_groups: bool = True,
         replace_dropped_groups: bool = True,
+        replace_early: bool = False,
         heartbeat_timeout: float = 300.0,
         child_ready_timeout: float = 300.0,
         generator_threads: int | None = 1,

@@ -91,6 +91,7 @@ class StepOptions:
     mask_truncated_completions: bool  #: truncated completions train nothing
     drop_no_signal_groups: bool  #: groups whose completions all score alike are dropped, not trained
     replace_dropped_groups: bool  #: a dropped group's place in its step goes to the next group; False: stays empty
+    replace_early: bool  #: a group without signal's replacement starts when it is scored, not when its step is planned
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +233,7 @@ class LoopOptions:
     consumed: set[int]  #: group ids a resumed run skips
     groups_per_step: int  #: prompt groups in one optimizer step (the pacing unit)
     max_staleness: int  #: policy versions a group may lag
+    replace_early: bool  #: tag groups without signal when scored and start their replacements then
     lora_name: str | None  #: the served adapter's name prefix (adapter-only vLLM sync)
     core_sharing: Any  #: the trainer's and the embedded generator's `CoreSharing`, or None
     tools: list[Callable[..., Any]] | None  #: tools the policy may call

@@ -114,3 +114,11 @@ def test_the_contract_is_read_from_the_data_modules_options():
     assert contract.scale_rewards == "none" and contract.tokenizer is datamodule.tokenizer
     with pytest.raises(RuntimeError, match="once `setup` ran"):
         GRPODataModule(model="tiny-random").rollout_contract()
+
+
+@pytest.mark.parametrize("other", [{"drop_no_signal_groups": False}, {"replace_dropped_groups": False}])
+def test_replace_early_without_dropping_and_replacing_is_refused_naming_both_switches(other):
+    with pytest.raises(ValueError, match=r"replace_early=True with drop_no_signal_groups=.*set both True"):
+        GRPODataModule(model="tiny-random", replace_early=True, **other)
+    assert GRPODataModule(model="tiny-random", replace_early=True).options.steps.replace_early
+    assert not GRPODataModule(model="tiny-random", **other).options.steps.replace_early

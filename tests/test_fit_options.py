@@ -187,3 +187,23 @@ def test_dropped_groups_leave_their_places_empty_when_not_replaced(no_leaked_pro
     for place, groups in zip(places[:-1], recorder.steps, strict=False):  # more places: the first group closed it
         assert place == 2 or (place > 2 and len(groups) == 1), (places, recorder.steps)
     assert sum(len(groups) for groups in recorder.steps) == 4 and len(recorder.steps) > 2
+
+
+@pytest.mark.timeout(240)
+def test_replace_early_fit_drops_the_groups_without_signal_and_trains_the_rest_once(no_leaked_processes):
+    """`replace_early=True`: the child tags the even prompts' groups (all scored alike) as it scores them and starts
+    their replacements then; the trainer drops them, leaves them out of the consumed count it reports, and the fit
+    trains every other group once and ends."""
+    from helpers.fit_rewards import signal_on_odd_prompts
+
+    recorder = StepRecorder()
+    options = dict(reward_funcs=[signal_on_odd_prompts], samples_per_row=8, replace_early=True, max_staleness=1)
+    datamodule = tiny_datamodule(8, **options)
+    trainer = cpu_trainer(callbacks=[recorder])
+    trainer.fit(GRPOModule("tiny-random", learning_rate=1e-3), datamodule=datamodule)
+
+    progress = datamodule.progress
+    assert progress.dropped == {"no_signal": 4} and progress.trained_total == 4
+    assert sorted(progress.consumed) == list(range(8))
+    trained = [g for groups in recorder.steps for g in groups]
+    assert len(trained) == len(set(trained)) == 4

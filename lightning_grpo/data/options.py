@@ -46,6 +46,12 @@ def validate_options(options: DataModuleOptions) -> None:
         problems.append(
             f"trainer_threads={options.generation.trainer_threads!r} (a positive number of threads, 'auto' or None)"
         )
+    if steps.replace_early and not (steps.drop_no_signal_groups and steps.replace_dropped_groups):
+        problems.append(
+            f"replace_early=True with drop_no_signal_groups={steps.drop_no_signal_groups}, replace_dropped_groups="
+            f"{steps.replace_dropped_groups} (it starts the replacements of dropped groups without signal: set both "
+            "True, or replace_early=False)"
+        )
     if steps.samples_per_row is not None and steps.samples_per_row < 1:
         problems.append(f"samples_per_row={steps.samples_per_row} (must be at least 1)")
     if rewards.advantage_estimator not in get_args(AdvantageEstimator):

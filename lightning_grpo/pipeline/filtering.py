@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..rollout.records import RolloutSample
+from ..rollout.records import NO_SIGNAL, RolloutSample
 from .ledger import RolloutProgress
 from .metrics import append_metric
 
@@ -83,6 +83,9 @@ class SampleFilterQueue:
         self.drop_no_signal_groups = drop_no_signal_groups
         self.replace_dropped_groups = replace_dropped_groups
         self.metrics = metrics
+        #: Groups the rollout loop tagged as without signal (`NO_SIGNAL`) that this filter dropped: pacing counted
+        #: them as consumed when they were scored, so the consumed count the trainer reports leaves them out.
+        self.dropped_early = 0
 
     def get(self, timeout: float | None = None) -> list[RolloutSample] | DroppedGroup:
         """The next trainable group, or a dropped group's place when drops are not replaced; raises `queue.Empty`
@@ -108,6 +111,13 @@ class SampleFilterQueue:
             return None
         staleness = self.model_version() - min(sample.model_version for sample in group)
         reason = self._drop_reason(group, staleness)
+        if group[0].extras.get(NO_SIGNAL):
+            if reason is None:  # the loop tags only groups whose advantages are all 0, and only when they drop
+                raise RuntimeError(
+                    f"Group {group_id} came tagged as without learning signal, but it would train: the rollout loop "
+                    "and the trainer disagree on `drop_no_signal_groups`."
+                )
+            self.dropped_early += 1
         if reason is not None:
             log.info(
                 "Dropping group %d (%s): group version %d, policy version %d.",

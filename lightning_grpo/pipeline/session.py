@@ -185,6 +185,7 @@ def loop_options(
         consumed=set(progress.consumed),
         groups_per_step=session.groups_per_step,
         max_staleness=steps.max_staleness,
+        replace_early=steps.replace_early,
         lora_name=session.lora_name,
         core_sharing=session.core_sharing,
         **session.conversation.loop_options(),

@@ -101,6 +101,7 @@ class RolloutPipeline:
             replace_dropped_groups=replace_dropped_groups,
             metrics=metrics,
         )
+        self._filtered = filtered
         self.planner = StepPlanner(filtered, progress=progress, metrics=metrics, **planner_kwargs)
         self.collator = collator
         self._core_sharing = core_sharing
@@ -114,8 +115,10 @@ class RolloutPipeline:
 
     def report_consumed(self) -> None:
         """Pacing counts groups whose fate is final (trained steps are committed after their weights are pushed), so a
-        group admitted now is generated with the newest weights and trains within `max_staleness` versions of them."""
-        self.worker.groups_consumed = self.progress.final_group_count() - self._final_at_start
+        group admitted now is generated with the newest weights and trains within `max_staleness` versions of them.
+        Groups the loop dropped early are left out: it counted them itself when it scored them (see `Pacing`)."""
+        final = self.progress.final_group_count() - self._final_at_start
+        self.worker.groups_consumed = final - self._filtered.dropped_early
 
     def _step_gauges(self, waited_s: float) -> dict[str, float]:
         gauges = {key: reduce_metric(key, self.metrics.pop(key)) for key in STEP_GAUGES if self.metrics.get(key)}

@@ -31,7 +31,7 @@ from .conversation import Conversation, ConversationOptions
 from .environments import Environments, prompt_of, tool_methods, with_observation
 from .groups import Group, Rollout, assemble
 from .pacing import Pacing
-from .records import GENERATOR_REPLICA, LEARNING_SIGNAL, SCORE_PAYLOAD, RolloutSample
+from .records import GENERATOR_REPLICA, LEARNING_SIGNAL, NO_SIGNAL, SCORE_PAYLOAD, RolloutSample
 from .reward_calls import InlineRewards
 from .reward_pool import RewardProcessPool
 from .schedule import GroupSchedule
@@ -108,6 +108,8 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         consumed: group ids to skip (consumed by an earlier run).
         groups_per_step: prompt groups per optimizer step, the pacing unit; None disables pacing.
         max_staleness: policy versions a group may lag when it trains; pacing keeps groups within it.
+        replace_early: the trainer drops and replaces groups whose advantages are all 0: the loop tags each such
+            group (`extras[NO_SIGNAL]`) and starts its replacement as soon as it is scored (see `Pacing`).
         tool_timeout: seconds a tool call, an environment's `reset` or its `get_reward` may take (None: no limit).
         prompt_format: how string prompts are rendered: `"auto"`, `"chat"` or `"text"` (see `GRPODataModule`).
         **kwargs: TRL's `_AsyncRolloutLoop` arguments (model_name, dataset, reward_funcs, processing_class,
@@ -140,6 +142,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         consumed: Iterable[int] = (),
         groups_per_step: int | None = None,
         max_staleness: int = 4,
+        replace_early: bool = False,
         groups_consumed_value: Any = None,
         tool_timeout: float | None = 60.0,
         prompt_format: PromptFormat = "auto",
@@ -180,6 +183,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         self._schedule = GroupSchedule(len(self.dataset), epochs=epochs, seed=seed, shuffle=shuffle)
         self._consumed = frozenset(consumed)
         self._pacing = None if groups_per_step is None else Pacing(groups_per_step, max_staleness)
+        self._replace_early = replace_early
         self._groups_consumed_value = groups_consumed_value
         self._admitted = 0
         self._pool_stats_pushed: dict[str, float] = {}
@@ -434,7 +438,18 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
             advantages = np.full_like(advantages, np.nan)
         signal = learning_signal(columns, self._weights, self._aggregation) if self._batch_scaled else None
         self._push_pool_stats()
-        return self._samples(group, columns, rewards, advantages, signal)
+        samples = self._samples(group, columns, rewards, advantages, signal)
+        if self._replace_early and samples and all(sample.advantage == 0.0 for sample in samples):
+            self._drop_early(samples)
+        return samples
+
+    def _drop_early(self, samples: list[RolloutSample]) -> None:
+        """A group without signal, which the trainer will drop: tagged, so that the trainer leaves it out of the
+        consumed count it reports, and counted by pacing as consumed now, so that its replacement starts now."""
+        for sample in samples:
+            sample.extras[NO_SIGNAL] = True
+        if self._pacing is not None:
+            self._pacing.dropped_early()
 
     async def _reward_table(self, group: RolloutGroup) -> np.ndarray:
         kwargs = dict(

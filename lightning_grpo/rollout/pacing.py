@@ -14,6 +14,11 @@ class Pacing:
     resumes as soon as one group fits: the trainer's unfinished step may be waiting for a replacement of a group it
     dropped.
 
+    A group the loop itself finds without learning signal (`dropped_early`, with `replace_early=True`) is
+    consumed the moment it is scored, and its replacement starts then, full window or not: the trainer would
+    otherwise find the drop only when it plans the step the group was meant for, and wait there for a replacement
+    that had not started.
+
     Args:
         groups_per_step: prompt groups per optimizer step.
         max_staleness: policy versions a group may lag when it trains.
@@ -23,8 +28,19 @@ class Pacing:
         self.window = (max_staleness + 1) * groups_per_step
         self._resume_below = max(max_staleness * groups_per_step + 1, groups_per_step)
         self._held_back = False
+        self._dropped_early = 0
+        self._replaced_early = 0
+
+    def dropped_early(self) -> None:
+        """A scored group the trainer will drop (no learning signal): its place is free now, for a replacement."""
+        self._dropped_early += 1
 
     def admits(self, ahead: int) -> bool:
-        """Whether one more group may start now, with `ahead` groups admitted and not yet consumed."""
+        """Whether one more group may start now, with `ahead` groups admitted and not yet consumed by the trainer
+        (the groups dropped early left out of its count; see `GRPORolloutLoop`)."""
+        ahead -= self._dropped_early
+        if self._replaced_early < self._dropped_early and ahead < self.window:
+            self._replaced_early += 1
+            return True
         self._held_back = ahead >= (self._resume_below if self._held_back else self.window)
         return not self._held_back

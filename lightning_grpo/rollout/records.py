@@ -20,6 +20,9 @@ SCORE_PAYLOAD = "score_payload"
 LEARNING_SIGNAL = "learning_signal"
 #: Key in `RolloutSample.extras` of the generator replica that sampled the sample's group (`generator_replicas` > 1).
 GENERATOR_REPLICA = "generator_replica"
+#: Key in `RolloutSample.extras` (True) of a group the rollout loop found without learning signal (`replace_early`):
+#: the trainer drops it, and pacing counted it as consumed when it was scored (its replacement started then).
+NO_SIGNAL = "no_signal"
 
 
 @dataclass(slots=True)

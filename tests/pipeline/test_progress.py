@@ -31,6 +31,8 @@ from lightning_grpo.pipeline.grouping import GroupedQueue
 from lightning_grpo.pipeline.ledger import RolloutProgress, RolloutStop
 from lightning_grpo.pipeline.planner import StepPlanner
 from lightning_grpo.pipeline.stopping import StopAwareDataset
+from lightning_grpo.pipeline.stream import RolloutPipeline
+from lightning_grpo.rollout.records import NO_SIGNAL
 from lightning_grpo.rollout.schedule import GroupSchedule
 
 POLL_S = 0.005
@@ -217,6 +219,71 @@ def test_dropped_groups_are_replaced_or_leave_their_places_empty(replace):
     assert run.steps == ([[0, 2], [3, 7]] if replace else [[0], [2, 3], [7]])
     assert progress.dropped == {"no_signal": 4, "stale": 1} and progress.consumed == set(range(len(kinds)))
     assert progress.trained_total == 4
+
+
+class QueueWorker:
+    """What `RolloutPipeline` reads of the rollout worker: its queue, its health check, the consumed count it sets."""
+
+    def __init__(self, groups: list) -> None:
+        self.rollout_buffer = queue_of(groups)
+        self.groups_consumed = 0
+
+    def check_health(self, stale_after_s: float) -> None:
+        pass
+
+
+def tagged(group: list) -> list:
+    """The group as the rollout loop sends one it found without signal (and counted as consumed for pacing)."""
+    for sample in group:
+        sample.extras[NO_SIGNAL] = True
+    return group
+
+
+@pytest.mark.timeout(60)
+def test_groups_the_loop_dropped_early_are_left_out_of_the_consumed_count_pacing_reads():
+    """The loop counts a group it tagged as without signal when it scores it; the trainer reports every other group
+    whose fate is final, so each group counts once. A tagged group dropped for another reason (stale) is the loop's
+    too; an untagged group without signal (a loop that does not tag) is the trainer's."""
+    none = {"advantages": [0.0] * 4}
+    groups = [make_group(g, **({"version": 5} | kind)) for g, kind in enumerate([{}, none, {}, none, {}, {}, none, {}])]
+    groups[4] = make_group(4, version=0, **none)  # stale as well
+    for g in (1, 3, 4):
+        tagged(groups[g])
+    progress = RolloutProgress(total_groups=len(groups), stall_groups=len(groups))
+    worker = QueueWorker(groups)
+    stream = RolloutPipeline(
+        worker,
+        progress,
+        planner_kwargs=dict(num_processes=1, steps=1, token_budget=200, samples_per_row=0, max_groups_per_step=2),
+        collator=ProgressCollator(progress, num_processes=1, reward_names=["acc"]),
+        model_version=lambda: 5,
+        max_staleness=2,
+        mask_truncated_completions=True,
+        heartbeat_timeout=60.0,
+        metrics={},
+    )
+    steps = []
+    for batches in stream:
+        if batches[0].stop is not None:
+            break
+        steps.append(list(batches[0].group_ids))
+        progress.commit(batches[0].group_ids)
+    stream.report_consumed()
+    assert steps == [[0, 2], [5, 7]]
+    assert progress.dropped == {"no_signal": 3, "stale": 1} and progress.consumed == set(range(len(groups)))
+    assert worker.groups_consumed == len(groups) - 3
+
+
+@pytest.mark.timeout(60)
+def test_a_tagged_group_that_would_train_stops_the_run_naming_the_mismatch():
+    """The loop tags only groups the trainer drops; a tagged group that would train means the two disagree on
+    `drop_no_signal_groups` (pacing's count would be off by it), so the stream stops with that error."""
+    progress = RolloutProgress(total_groups=2, stall_groups=2)
+    groups = [make_group(0, version=5), tagged(make_group(1, version=5, advantages=[0.0] * 4))]
+    loader = pipeline(queue_of(groups), progress, num_processes=1, version=5, drop_no_signal_groups=False)
+    run = train_like_lightning(loader, progress)
+    assert "Group 1 came tagged as without learning signal" in str(run.stop.error)
+    assert "drop_no_signal_groups" in str(run.stop.error)
 
 
 def test_filter_skips_a_group_consumed_before_a_resume():

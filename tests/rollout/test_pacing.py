@@ -41,3 +41,25 @@ def test_one_group_per_step_admits_as_each_is_consumed():
     pacing = Pacing(groups_per_step=1, max_staleness=2)
     assert admitted_until_held(pacing, 0) == 3
     assert pacing.admits(2)
+
+
+def test_a_group_dropped_early_is_replaced_at_once_though_the_window_waits_for_a_whole_step():
+    """The loop found a finished group without signal while the window was full and held: its replacement starts
+    now (once per drop), not when the trainer next makes room for a whole step."""
+    pacing = Pacing(groups_per_step=4, max_staleness=1)
+    assert admitted_until_held(pacing, 0) == 8
+    assert not pacing.admits(8)
+    pacing.dropped_early()
+    assert pacing.admits(8)  # its replacement: 9 admitted, one of them consumed
+    assert not pacing.admits(9)  # one drop, one replacement
+    for ahead in (8, 7, 6):  # the trainer consumes the step's groups one by one (the dropped one not among them)
+        assert not pacing.admits(ahead + 1)
+    assert admitted_until_held(pacing, 5) == 4  # a whole step's room, as without the drop
+
+
+def test_early_drops_count_as_consumed_within_the_window_never_beyond_it():
+    pacing = Pacing(groups_per_step=2, max_staleness=1)
+    for _ in range(3):
+        pacing.dropped_early()
+    # 3 dropped of 5 admitted: 2 still count against the window of 4, so 2 more may start (replacements first)
+    assert admitted_until_held(pacing, 5) == 2

@@ -23,6 +23,7 @@ from helpers.fit_rewards import (
     environment_mark,
     hangs_on_say_0,
     kernel_cache_capacity,
+    signal_on_odd_prompts,
 )
 from helpers.rollouts import check_stopped_samples, collect_groups, counters_until, drained_rate
 from helpers.tiny import tiny_prompts as prompts
@@ -31,7 +32,7 @@ from helpers.transfers import push
 from lightning_grpo.rollout import start_method
 from lightning_grpo.rollout.advantages import compute_group_advantages
 from lightning_grpo.rollout.generator import GeneratorSpec, PolicySpec
-from lightning_grpo.rollout.records import SCORE_PAYLOAD
+from lightning_grpo.rollout.records import NO_SIGNAL, SCORE_PAYLOAD
 from lightning_grpo.rollout.sampling import teacher_forced_logprobs
 from lightning_grpo.rollout.worker import GRPORolloutWorker
 
@@ -162,6 +163,35 @@ def test_pacing_keeps_staleness_bounded_with_a_slow_consumer(tiny_model, tokeniz
             consumed += groups_per_step
             worker.groups_consumed = consumed
         assert max(staleness) <= max_staleness, staleness
+    finally:
+        worker.stop()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("replace_early", [True, False])
+def test_a_group_without_signal_is_tagged_and_replaced_as_soon_as_it_is_scored(
+    tiny_model, tokenizer, transfer, no_leaked_processes, replace_early
+):
+    """A window of two groups and a trainer that consumes nothing yet. The even prompts' groups have no signal: with
+    `replace_early=True` the child tags each and starts its replacement at once, so groups 0-3 arrive and the
+    window then holds the two with signal; otherwise it holds after groups 0 and 1. Consuming one group lets the
+    next start (and, dropped early, its replacement)."""
+    push(transfer, tiny_model, version=0)
+    worker = start_worker(
+        tiny_model, tokenizer, transfer, dataset=prompts(8), shuffle=False, reward_funcs=[signal_on_odd_prompts],
+        groups_per_step=1, max_staleness=1, replace_early=replace_early,
+    )  # fmt: skip
+    first = 4 if replace_early else 2
+    try:
+        groups = collect_groups(worker, first)
+        time.sleep(3.0)  # room for one more group to arrive, were the window not holding
+        assert worker.rollout_buffer.empty()
+        assert sorted(groups) == list(range(first))
+        tags = {g: all(s.extras.get(NO_SIGNAL, False) for s in samples) for g, samples in groups.items()}
+        assert tags == {g: replace_early and g % 2 == 0 for g in groups}
+        worker.groups_consumed = 1  # the trainer trained group 1
+        following = [4, 5] if replace_early else [2]
+        assert sorted(collect_groups(worker, len(following))) == following
     finally:
         worker.stop()
 
