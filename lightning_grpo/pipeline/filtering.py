@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..rollout.records import NO_SIGNAL, RolloutSample
+from ..rollout.records import NO_SIGNAL, RolloutSample, without_signal
 from .ledger import RolloutProgress
 from .metrics import append_metric
 
@@ -153,6 +153,6 @@ class SampleFilterQueue:
         advantages = [sample.advantage for sample in group]
         if not self.drop_no_signal_groups or any(math.isnan(a) for a in advantages):
             return None
-        if all(a == 0.0 for a, m in zip(advantages, masked, strict=True) if not m):
+        if without_signal(sample for sample, m in zip(group, masked, strict=True) if not m):
             return "no_signal"
         return None

@@ -31,7 +31,7 @@ from .conversation import Conversation, ConversationOptions
 from .environments import Environments, prompt_of, tool_methods, with_observation
 from .groups import Group, Rollout, assemble
 from .pacing import Pacing
-from .records import GENERATOR_REPLICA, LEARNING_SIGNAL, NO_SIGNAL, SCORE_PAYLOAD, RolloutSample
+from .records import GENERATOR_REPLICA, LEARNING_SIGNAL, NO_SIGNAL, SCORE_PAYLOAD, RolloutSample, without_signal
 from .reward_calls import InlineRewards
 from .reward_pool import RewardProcessPool
 from .schedule import GroupSchedule
@@ -439,7 +439,7 @@ class GRPORolloutLoop(VLLMRequests, _AsyncRolloutLoop):
         signal = learning_signal(columns, self._weights, self._aggregation) if self._batch_scaled else None
         self._push_pool_stats()
         samples = self._samples(group, columns, rewards, advantages, signal)
-        if self._replace_early and samples and all(sample.advantage == 0.0 for sample in samples):
+        if self._replace_early and samples and without_signal(samples):
             self._drop_early(samples)
         return samples
 

@@ -6,6 +6,7 @@ shared memory the sender must keep alive, so tensors are made on the trainer sid
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,3 +59,10 @@ class RolloutSample:
     @property
     def num_trained_tokens(self) -> int:
         return int(self.completion_mask.sum())
+
+
+def without_signal(samples: Iterable[RolloutSample]) -> bool:
+    """Whether every one of `samples` has an advantage of exactly 0.0: a group whose signal is constant gets 0.0,
+    never noise, and a pending (NaN) advantage is not 0. The one rule for a group without learning signal, read by
+    the trainer's filter (which drops such groups) and by the rollout loop (which tags them with `replace_early`)."""
+    return all(sample.advantage == 0.0 for sample in samples)
