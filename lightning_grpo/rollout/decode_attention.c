@@ -16,20 +16,19 @@
  * Layouts (all contiguous): q and out (rows, heads, dim); k_new and v_new (rows, kv_heads, dim); the caches
  * (slots, kv_heads, capacity, dim) with slot r holding row r. Groups: `order` lists the rows group after group,
  * group g being order[starts[g] .. starts[g + 1]) with a shared prefix of prefix[g] positions (0: none).
- * `threads` > 1 splits the (group, key/value head) pairs between threads started for the call.
+ * `threads` > 1 splits the (group, key/value head) pairs between this thread and kept workers (split_threads.h).
  *
  * Built by native_build.py with the system's C compiler; see decode_attention.py.
  */
 #include <immintrin.h>
 #include <math.h>
-#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "simd.h"
-
-#define MAX_THREADS 64
+#include "split_threads.h"
 
 typedef struct {
     const void *q, *k_new, *v_new;
@@ -38,8 +37,7 @@ typedef struct {
     int64_t rows, heads, kv_heads, dim, capacity, window, groups, widest; /* widest: the most rows of a group */
     float scale, softcap;
     int bf16;
-    int64_t first, last; /* the (group, kv head) pairs of this share: [first, last) */
-    int failed;
+    atomic_int failed; /* a share could not have its scratch memory */
 } Problem;
 
 /* dim values of a key or value vector (bf16 or float32) into float32. */
@@ -270,17 +268,17 @@ static void attend(const Problem *p, int64_t pair, float *scratch) {
     }
 }
 
-static void *run(void *argument) {
-    Problem *p = (Problem *)argument;
+/* The (group, key/value head) pairs begin .. end. */
+static void run(const void *problem, int64_t begin, int64_t end) {
+    Problem *p = (Problem *)problem;
     const int64_t queries = p->widest * (p->heads / p->kv_heads);
     float *scratch = malloc((size_t)(2 * queries * p->dim + BLOCK * p->dim + queries * p->capacity) * 4);
     if (scratch == NULL) {
-        p->failed = 1;
-        return 0;
+        atomic_store(&p->failed, 1);
+        return;
     }
-    for (int64_t pair = p->first; pair < p->last; ++pair) attend(p, pair, scratch);
+    for (int64_t pair = begin; pair < end; ++pair) attend(p, pair, scratch);
     free(scratch);
-    return 0;
 }
 
 /* Returns 0, or -1 when scratch memory could not be had (nothing is then known to be computed). */
@@ -290,27 +288,9 @@ int decode_attention(const void *q, const void *k_new, const void *v_new, void *
                      int64_t capacity, int64_t window, float scale, float softcap, int bf16, int threads) {
     int64_t widest = 1;
     for (int64_t g = 0; g < groups; ++g) widest = starts[g + 1] - starts[g] > widest ? starts[g + 1] - starts[g] : widest;
-    Problem base = {q, k_new, v_new, k_cache, v_cache, out, lengths, order, starts, prefix, rows, heads, kv_heads,
-                    dim, capacity, window, groups, widest, scale, softcap, bf16, 0, 0, 0};
+    Problem p = {q, k_new, v_new, k_cache, v_cache, out, lengths, order, starts, prefix, rows, heads, kv_heads,
+                 dim, capacity, window, groups, widest, scale, softcap, bf16, 0};
     const int64_t pairs = groups * kv_heads;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > pairs) threads = (int)pairs;
-    if (threads < 1) threads = 1;
-    Problem shares[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int t = 0; t < threads; ++t) {
-        shares[t] = base;
-        shares[t].first = pairs * t / threads;
-        shares[t].last = pairs * (t + 1) / threads;
-    }
-    for (int t = 1; t < threads; ++t) started[t] = pthread_create(&ids[t], 0, run, &shares[t]) == 0;
-    run(&shares[0]);
-    for (int t = 1; t < threads; ++t) {
-        if (started[t]) pthread_join(ids[t], 0);
-        else run(&shares[t]); /* a thread that could not start: its share runs here */
-    }
-    int failed = 0;
-    for (int t = 0; t < threads; ++t) failed |= shares[t].failed;
-    return failed ? -1 : 0;
+    split_columns(run, &p, pairs, 1, threads > pairs ? (int)pairs : threads);
+    return atomic_load(&p.failed) ? -1 : 0;
 }
