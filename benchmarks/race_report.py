@@ -70,21 +70,26 @@ def report(sides: dict[str, dict[str, Any]], out: Path) -> None:
 def summarize(folders: list[Path], out: Path) -> dict[str, Any]:
     """Each race's times to every threshold, then per precision of ours: the median of our runs' seconds over the
     median of the distinct TRL runs' seconds (a run that never reached a threshold counts as infinitely slow), and
-    the median of the per-race ratios. Writes `learning_race.json` and `learning_race.png` under `out`."""
+    the median of the per-race ratios. Races of ours alone (`--sides ours` without `--reuse`) have no TRL figures
+    ("-"). Writes `learning_race.json` and `learning_race.png` under `out`."""
     runs = [(folder, json.loads((folder / "race.json").read_text())) for folder in folders]
     print("| race | ours' precision | TRL's | steps | s per step | " + " | ".join(f"to {t}" for t in THRESHOLDS) + " |")
     print("|---|---|---|---|---|" + "---|" * len(THRESHOLDS))
     for folder, sides in runs:
-        ours, trl = sides["ours"], sides["trl"]
+        ours, trl = sides["ours"], sides.get("trl")
         cells = [_race_cell(ours, trl, threshold) for threshold in THRESHOLDS]
         per_step = ours["training_s"] / ours["optimizer_steps"]
         print(
-            f"| {folder.name} | {precision_label(ours)} | {precision_label(trl)} | {ours['optimizer_steps']} | "
+            f"| {folder.name} | {precision_label(ours)} | {precision_label(trl) if trl else '-'} | "
+            f"{ours['optimizer_steps']} | "
             f"{per_step:.1f} | " + " | ".join(cells) + " |"
         )
     medians = {label: _medians(group) for label, group in _by_our_precision(runs).items()}
     for label, by_threshold in medians.items():
         for threshold, m in by_threshold.items():
+            if not m["trl_runs"]:
+                print(f"ours ({label}) to {threshold}: median {_fmt(m['ours_s'])} s over {m['ours_runs']} runs")
+                continue
             print(
                 f"ours ({label}) to {threshold}: median {_fmt(m['ours_s'])} s over {m['ours_runs']} runs / TRL median "
                 f"{_fmt(m['trl_s'])} s over {m['trl_runs']} = {_ratio(m['ours_s'], m['trl_s'])} "
@@ -100,9 +105,12 @@ def summarize(folders: list[Path], out: Path) -> dict[str, Any]:
     return summary
 
 
-def _race_cell(ours: dict[str, Any], trl: dict[str, Any], threshold: float) -> str:
-    """'ours / TRL = ratio (our step)' seconds to `threshold` in one race."""
-    mine, theirs = first_reaching(ours["curve"], threshold), first_reaching(trl["curve"], threshold)
+def _race_cell(ours: dict[str, Any], trl: dict[str, Any] | None, threshold: float) -> str:
+    """'ours / TRL = ratio (our step)' seconds to `threshold` in one race ('ours (our step)' without TRL)."""
+    mine = first_reaching(ours["curve"], threshold)
+    if trl is None:
+        return _fmt(mine) if mine is None else f"{mine:.0f} ({first_point(ours['curve'], threshold)['step']})"
+    theirs = first_reaching(trl["curve"], threshold)
     if mine is None or theirs is None:
         return f"{_fmt(mine)} / {_fmt(theirs)}"
     step = first_point(ours["curve"], threshold)["step"]
@@ -118,17 +126,21 @@ def _by_our_precision(runs: list[tuple[Path, dict[str, Any]]]) -> dict[str, list
 
 def _medians(races: list[dict[str, Any]]) -> dict[float, dict[str, Any]]:
     """Per threshold: our runs' median seconds, the distinct TRL runs' median seconds, the median per-race ratio."""
-    trl_runs = {json.dumps(race["trl"]["curve"]): race["trl"] for race in races}.values()
+    trl_runs = {json.dumps(race["trl"]["curve"]): race["trl"] for race in races if "trl" in race}.values()
     medians = {}
     for threshold in THRESHOLDS:
         ours = [_or_inf(first_reaching(race["ours"]["curve"], threshold)) for race in races]
         trl = [_or_inf(first_reaching(run["curve"], threshold)) for run in trl_runs]
-        pairs = [tuple(first_reaching(race[side]["curve"], threshold) for side in ("ours", "trl")) for race in races]
+        pairs = [
+            tuple(first_reaching(race[side]["curve"], threshold) for side in ("ours", "trl"))
+            for race in races
+            if "trl" in race
+        ]
         ratios = [mine / theirs for mine, theirs in pairs if mine is not None and theirs is not None]
         medians[threshold] = {
             "ours_s": statistics.median(ours),
             "ours_runs": len(ours),
-            "trl_s": statistics.median(trl),
+            "trl_s": statistics.median(trl) if trl else math.nan,
             "trl_runs": len(trl),
             "per_race_ratio": statistics.median(ratios) if ratios else math.nan,
         }
@@ -179,8 +191,8 @@ def plot_runs(runs: list[tuple[Path, dict[str, Any]]], path: Path) -> None:
         curve = sides["ours"]["curve"]
         label = f"lightning_grpo {_short(precision_label(sides['ours']))} ({folder.name})"
         ax.plot([p["training_s"] for p in curve], [p["accuracy"] for p in curve], "o-", color=f"C{index}", label=label)
-        trl = sides["trl"]["curve"]
-        if trl not in drawn_trl:
+        trl = sides["trl"]["curve"] if "trl" in sides else None
+        if trl is not None and trl not in drawn_trl:
             drawn_trl.append(trl)
             xs, ys = [p["training_s"] for p in trl], [p["accuracy"] for p in trl]
             ax.plot(xs, ys, "s--", color="black", alpha=0.4 + 0.6 / len(drawn_trl),
