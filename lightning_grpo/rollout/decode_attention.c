@@ -291,6 +291,6 @@ int decode_attention(const void *q, const void *k_new, const void *v_new, void *
     Problem p = {q, k_new, v_new, k_cache, v_cache, out, lengths, order, starts, prefix, rows, heads, kv_heads,
                  dim, capacity, window, groups, widest, scale, softcap, bf16, 0};
     const int64_t pairs = groups * kv_heads;
-    split_columns(run, &p, pairs, 1, threads > pairs ? (int)pairs : threads);
+    split_columns(run, &p, pairs, 1, threads);
     return atomic_load(&p.failed) ? -1 : 0;
 }

@@ -4,7 +4,8 @@
  * sits in the L1 cache (x itself stays in L2), and the next four are prefetched meanwhile. A block of 3 rows of x
  * by 4 rows of w keeps 12 accumulators of 8 lanes in registers. Each output element is the dot product of one x row
  * and one w row, summed in the same order whatever M is and wherever the row sits, so a row's result does not depend
- * on the other rows of the batch. `threads` > 1 splits the columns (rows of w) between threads started for the call.
+ * on the other rows of the batch. `threads` > 1 splits the columns (rows of w) between this thread and kept workers
+ * (split_threads.h).
  *
  * Built by small_matmul.py with the system's C compiler; see there.
  */

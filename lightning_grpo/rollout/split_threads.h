@@ -2,12 +2,12 @@
  * hashes it with them.
  *
  * The shares of a call other than the first run on worker threads kept for the life of the process (each kernel
- * library has its own), started when a call first asks for them, instead of threads started and joined for each
- * call: a decode step makes a few hundred calls of tens to hundreds of microseconds each, and starting a thread
- * costs tens of microseconds (more in a virtual machine, which must wake an idle core). A worker waiting for the
- * next call spins for up to SPIN_NS (the next call of a decode step comes within microseconds), yielding its core to
- * any other runnable thread meanwhile, then sleeps on a condition variable. One call runs at a time; a child forked
- * from the process starts its own workers.
+ * library has its own), started when a call first asks for them: a decode step makes a few hundred calls of tens to
+ * hundreds of microseconds each, and starting a thread for each would cost tens of microseconds (more in a virtual
+ * machine, which must wake an idle core). A call uses no more threads than it has units of work. A worker waiting
+ * for the next call spins for up to SPIN_NS (the next call of a decode step comes within microseconds), yielding its
+ * core to any other runnable thread meanwhile, then sleeps on a condition variable. One call runs at a time; a child
+ * forked from the process starts its own workers.
  */
 #ifndef LIGHTNING_GRPO_SPLIT_THREADS_H
 #define LIGHTNING_GRPO_SPLIT_THREADS_H
@@ -103,9 +103,17 @@ static int pool_grow(int wanted) {
     return pool.workers;
 }
 
+/* Share t of columns 0 .. n, `share` columns each (fewer or none at the end). */
+static inline ColumnShare share_of(ColumnWork work, const void *problem, int t, int64_t share, int64_t n) {
+    const int64_t begin = t * share < n ? t * share : n;
+    return (ColumnShare){work, problem, begin, begin + share < n ? begin + share : n};
+}
+
 /* `work` over columns 0 .. n, split into `threads` shares of whole multiples of `unit` columns, the first on this
  * thread. Returns 0, or the number of shares no worker could be started for (they were then done here). */
 static int split_columns(ColumnWork work, const void *problem, int64_t n, int64_t unit, int threads) {
+    const int64_t units = (n + unit - 1) / unit; /* a thread with no whole unit would have nothing to do */
+    if (threads > units) threads = (int)units;
     if (threads > MAX_THREADS - 1) threads = MAX_THREADS - 1;
     if (threads < 1) threads = 1;
     const int64_t share = ((n + threads - 1) / threads + unit - 1) / unit * unit;
@@ -117,8 +125,7 @@ static int split_columns(ColumnWork work, const void *problem, int64_t n, int64_
     const int started = pool_grow(threads - 1), helpers = started < threads - 1 ? started : threads - 1;
     atomic_store(&pool.pending, helpers);
     for (int t = 1; t <= helpers; ++t) {
-        const int64_t begin = t * share < n ? t * share : n;
-        pool.worker[t].share = (ColumnShare){work, problem, begin, begin + share < n ? begin + share : n};
+        pool.worker[t].share = share_of(work, problem, t, share, n);
         atomic_fetch_add(&pool.worker[t].ticket, 1);
     }
     pthread_mutex_lock(&pool.lock);
@@ -126,8 +133,8 @@ static int split_columns(ColumnWork work, const void *problem, int64_t n, int64_
     pthread_mutex_unlock(&pool.lock);
     work(problem, 0, share); /* this thread's share, then those no worker was started for */
     for (int t = helpers + 1; t < threads; ++t) {
-        const int64_t begin = t * share < n ? t * share : n;
-        work(problem, begin, begin + share < n ? begin + share : n);
+        const ColumnShare rest = share_of(work, problem, t, share, n);
+        work(problem, rest.begin, rest.end);
     }
     if (atomic_load(&pool.pending) > 0) {
         const int64_t until = now_ns() + SPIN_NS;

@@ -11,7 +11,7 @@
  *
  * Each output is one row of x against one column of w, summed over K in the same blocks and order whatever M is and
  * wherever the row sits, so a row's result does not depend on the other rows of the batch. `threads` > 1 splits the
- * column blocks between threads started for the call (tiles are per thread: each configures its own).
+ * column blocks between this thread and kept workers (split_threads.h; tiles are per thread: each configures its own).
  *
  * int8 weights (`tile_linear_int8`, amx_int8): the weight's int8 values packed by `tile_pack` as the B tiles of
  * `tdpbssd` (16 columns x 64 of K, 1 KiB: half the bytes of the bf16 weight per element of K). Each row of x is split
