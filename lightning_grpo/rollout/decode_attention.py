@@ -90,6 +90,18 @@ def unavailable_reason() -> str | None:
     return _load()[1]
 
 
+def c_function() -> int:
+    """The address of the kernel's `decode_attention` in C, for a caller in C (`fused_decode`); 0 where it cannot
+    run."""
+    kernel = _load()[0]
+    return 0 if kernel is None else native_build.address(kernel)
+
+
+def threads_for(groups: RowGroups, kv_heads: int) -> int:
+    """The threads `attend` runs on: torch's, at most one per `PAIRS_PER_THREAD` (group, key/value head) pairs."""
+    return max(1, min(torch.get_num_threads(), groups.count * kv_heads // PAIRS_PER_THREAD))
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -129,7 +141,7 @@ def attend(
     kv_heads, capacity = key_cache.shape[1], key_cache.shape[2]
     q, k, v, lengths = q.contiguous(), k.contiguous(), v.contiguous(), lengths.contiguous()
     out = torch.empty_like(q)
-    threads = max(1, min(torch.get_num_threads(), groups.count * kv_heads // PAIRS_PER_THREAD))
+    threads = threads_for(groups, kv_heads)
     tensors = (q, k, v, key_cache, value_cache, lengths, groups.order, groups.starts, groups.prefix, out)
     code = kernel(
         *[t.data_ptr() for t in tensors], rows, groups.count, heads, kv_heads, dim, capacity, window or 0, scale,

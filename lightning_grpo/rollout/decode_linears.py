@@ -16,6 +16,7 @@ Projections that read the same input (q, k and v; gate and up) run as one packed
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import get_args
 
 import torch
@@ -53,13 +54,27 @@ def packed_product(weight: torch.Tensor, bias: torch.Tensor | None, int8: bool =
     again after `weight` changes."""
     weight = weight.detach()
     if int8 and tile_matmul.takes(weight, bias, int8=True) and int8_refusal(weight.dtype) is None:
-        tiles = tile_matmul.pack(weight, bias, int8=True)
-        return lambda x: tile_matmul.linear(x, tiles)
+        return TileProduct(tile_matmul.pack(weight, bias, int8=True))
     if tile_matmul.takes(weight, bias) and tile_matmul.available():
-        tiles = tile_matmul.pack(weight, bias)
-        return lambda x: tile_matmul.linear(x, tiles)
+        return TileProduct(tile_matmul.pack(weight, bias))
     packed = pack_weight(weight)
     return lambda x: packed_linear(x, packed, bias)
+
+
+@dataclass(frozen=True, slots=True)
+class TileProduct:
+    """A packed product on AMX tiles, `x -> tile_matmul.linear(x, weight)`, whose tiles a caller may hand to C
+    (`fused_decode`)."""
+
+    weight: tile_matmul.TileWeight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return tile_matmul.linear(x, self.weight)
+
+
+def tiles_of(product: Product | None) -> tile_matmul.TileWeight | None:
+    """The tiles a product multiplies by, where it is a `TileProduct`; else None."""
+    return product.weight if isinstance(product, TileProduct) else None
 
 
 def decode_product(weight: torch.Tensor) -> Product:
@@ -95,6 +110,12 @@ class Linear:
                 bias = None if self.module.bias is None else self.module.bias.detach()
                 self._product = packed_product(self.module.weight, bias, self._int8)
 
+    @property
+    def tiles(self) -> tile_matmul.TileWeight | None:
+        """The AMX tiles every step's product runs on (a bf16 packed layer; the small-batch kernel is float32), or
+        None."""
+        return tiles_of(self._product)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._small and small_matmul.applies(x, self.module.weight, self.module.bias):
             return small_matmul.linear(x, self.module.weight, self.module.bias)
@@ -128,6 +149,11 @@ class Stacked:
             biased = self.modules[0].bias is not None
             bias = torch.cat([module.bias.detach() for module in self.modules]) if biased else None
             self._product = packed_product(weight, bias, self._int8)
+
+    @property
+    def tiles(self) -> tile_matmul.TileWeight | None:
+        """The AMX tiles of the stacked weight (the layers' outputs side by side, in order), or None."""
+        return tiles_of(self._product)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self._product(x).split(self._widths, dim=-1)

@@ -19,7 +19,8 @@ SmolLM3, Cohere, Qwen3-MoE, Mixtral), whose differences (norm placement, rotary 
 norms, parallel branches, softcapping, scalar multipliers) that table holds, resolved per layer when the decoder is
 built; a mixture-of-experts block is the model's own module, called on the step's tokens. A sliding-window layer
 masks the cache positions outside its window; the cache itself keeps every position. Softcapped attention scores
-are computed without SDPA, which has no cap.
+are computed without SDPA, which has no cap. A step without prompts runs all its layers in one C call where
+`fused_decode` takes them (Llama-like layers on AMX tiles; `fused_refusal` says why not), with the same results.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from . import decode_attention, layer_ops
+from . import decode_attention, fused_decode, layer_ops
 from .architectures import ARCHITECTURES, LayerPlan, Scalars, architecture_of, layer_plans, scalars_of
 from .decode_linears import PACK_MIN_NUMEL, Linear, Separate, Split, Stacked, int8_refusal, projections
 
@@ -97,6 +98,21 @@ class _Layer:
         self.head_qk_norm = has_qk_norm and not plan.qk_norm_over_projection
         self.window, self.rotary_type, self.rotates = plan.window, plan.rotary_type, plan.rotates
         self.softcap = plan.attention_softcap
+
+    def fused_parts(self) -> fused_decode.LayerParts | str:
+        """This layer's parts for `fused_decode`, or why its plan keeps it out (the parts' kernels are checked
+        there)."""
+        if not hasattr(self, "gate_up"):
+            return "an MLP without gate, up and down projections"
+        if self.post_attention is not _identity or self.post_mlp is not _identity:
+            return "norms after the branches, or a residual multiplier"
+        if self.projection_qk_norm or self.head_qk_norm or self.window is not None or self.softcap is not None:
+            return "q/k norms, a sliding window or softcapped scores"
+        if not self.rotates or self.rotary_type is not None:
+            return "a layer without rotation, or rotations per layer type"
+        return fused_decode.LayerParts(
+            self.pre_attention, self.pre_mlp, self.qkv, self.o, self.gate_up, self.down, self.act
+        )
 
     def _gated_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The model's MLP branch: `down(act(gate(x)) * up(x))` between the layer's norms."""
@@ -197,6 +213,21 @@ class SlotDecoder:
         self._prefix_serials = torch.zeros(0, dtype=torch.long)
         self._prefix_lengths = torch.zeros(0, dtype=torch.long)
         self._groups: decode_attention.RowGroups | None = None
+        #: the steps without prompts in one C call (`fused_decode`), or None; `fused_refusal` says why not
+        self.fused: fused_decode.FusedLayers | None = None
+        self.fused_refusal = self._fuse(parallel)
+
+    def _fuse(self, parallel: bool) -> str | None:
+        """Set `fused` where every layer can run in `fused_decode`; else return why not."""
+        found = [layer.fused_parts() for layer in self._layers]
+        parts = [part for part in found if isinstance(part, fused_decode.LayerParts)]
+        reasons = [part for part in found if isinstance(part, str)]
+        if parallel or reasons or self._rotate is not layer_ops.rotate or not self._attention_kernel:
+            return reasons[0] if reasons else "parallel branches, or the model's own rotation or attention"
+        reason = fused_decode.refusal(parts, self._dtype)
+        if reason is None:
+            self.fused = fused_decode.FusedLayers(parts, self.heads, self.kv_heads, self.head_dim, self._scale)
+        return reason
 
     def repack(self) -> None:
         """Re-pack the packed weights after they were changed in place (a weight sync)."""
@@ -204,6 +235,8 @@ class SlotDecoder:
         for layer in self._layers:
             for linear in layer.linears:
                 linear.pack()
+        if self.fused is not None:
+            self.fused.invalidate()
 
     @property
     def slots(self) -> int:
@@ -230,6 +263,8 @@ class SlotDecoder:
                     cache[layer] = grown
                 else:
                     cache.append(grown)
+        if self.fused is not None:
+            self.fused.invalidate()
         self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(slots - old_slots)])
         self._prefix_serials = torch.cat([self._prefix_serials, self.lengths.new_zeros(slots - old_slots)])
         self._prefix_lengths = torch.cat([self._prefix_lengths, self.lengths.new_zeros(slots - old_slots)])
@@ -297,9 +332,13 @@ class SlotDecoder:
                 self._prefix_serials[:rows], self._prefix_lengths[:rows], lengths
             )
         prompt_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
-        for index, layer in enumerate(self._layers):
-            cos, sin = rotations[layer.rotary_type]
-            hidden = self._run_layer(index, layer, hidden, cos, sin, masks[layer.window], spans, prompt_kv)
+        if self.fused is not None and self._groups is not None and not prompts:  # groups: set above, as fused needs
+            cos, sin = rotations[None]
+            hidden = self.fused.run(hidden, cos, sin, lengths, self._groups, self._keys, self._values)
+        else:
+            for index, layer in enumerate(self._layers):
+                cos, sin = rotations[layer.rotary_type]
+                hidden = self._run_layer(index, layer, hidden, cos, sin, masks[layer.window], spans, prompt_kv)
         last = torch.tensor([*range(rows), *(end - 1 for _, end in spans)], dtype=torch.long)
         logits = self._head(self._norm(hidden[last]))
         for logit_step in self._logit_steps:

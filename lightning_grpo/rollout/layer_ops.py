@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -83,18 +84,26 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return q_out, k_out
 
 
-def norm_for(module: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype) -> Callable | None:
-    """A fused stand-in for the norm `module` over `width` features in `dtype`: `rms_norm` with the module's
-    `weight` (read at each call, so weights copied in later are used) and epsilon, where it matches the module on a
-    probe; else None."""
+@dataclass(frozen=True, slots=True)
+class FusedNorm:
+    """A norm module run as `rms_norm` with its `weight` (read at each call, so weights copied in later are used)
+    and its epsilon."""
+
+    module: torch.nn.Module
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.module.weight, self.eps)
+
+
+def norm_for(module: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype) -> FusedNorm | None:
+    """A fused stand-in for the norm `module` over `width` features in `dtype`, where `rms_norm` with the module's
+    weight and epsilon matches the module on a probe; else None."""
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if not isinstance(weight, torch.Tensor) or weight.shape != (width,) or not isinstance(eps, float):
         return None
-
-    def fused(x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, module.weight, eps)  # type: ignore[attr-defined]  # checked above
-
+    fused = FusedNorm(module, eps)
     return fused if _matches(fused, module, [_probe(dtype, _PROBE_ROWS, width)]) else None
 
 
@@ -113,6 +122,13 @@ def rotation_for(
         return rope(*tensors, unsqueeze_dim=1)
 
     return rotate if _matches(rotate, model_rotation, [q, k, cos, sin], pairs=True) else None
+
+
+def c_functions() -> dict[str, int]:
+    """The addresses of `rms_norm` and `rotate` in C, for a caller in C (`fused_decode`); empty where they cannot
+    run."""
+    functions = _load()[0] or {}
+    return {name: native_build.address(function) for name, function in functions.items()}
 
 
 def _matches(fused: Callable, model: Callable, probes: list[torch.Tensor], pairs: bool = False) -> bool:

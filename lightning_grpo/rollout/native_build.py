@@ -108,6 +108,12 @@ def load_functions(
     return None, reason
 
 
+def address(function: Any) -> int:
+    """Where a loaded C function is, as an int: what a C caller that is handed it (a struct's function pointer)
+    calls."""
+    return ctypes.cast(function, ctypes.c_void_p).value or 0
+
+
 def load(source: Path, wide: bool = False, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The shared library of `source`, built first (with `flags(wide, extra)`) unless a build of the same source, flags and
     compiler is cached.

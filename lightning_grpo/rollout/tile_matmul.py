@@ -180,6 +180,13 @@ def linear(x: torch.Tensor, weight: TileWeight) -> torch.Tensor:
     return out
 
 
+def c_functions() -> dict[str, int]:
+    """The addresses of `tile_linear` and `tile_linear_int8` in C, for a caller in C (`fused_decode`); empty where
+    the kernel cannot run."""
+    functions = _load()[0] or {}
+    return {name: native_build.address(functions[name]) for name in ("tile_linear", "tile_linear_int8") if functions}
+
+
 def _functions() -> dict[str, Callable[..., int]]:
     functions, reason = _load()
     if functions is None:

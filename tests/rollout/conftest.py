@@ -7,12 +7,21 @@ import functools
 import pytest
 import torch
 
-from lightning_grpo.rollout import cdf_draw, decode_attention, layer_ops, native_build, small_matmul, tile_matmul
+from lightning_grpo.rollout import (
+    cdf_draw,
+    decode_attention,
+    fused_decode,
+    layer_ops,
+    native_build,
+    small_matmul,
+    tile_matmul,
+)
 
 
 def _clear_kernels() -> None:
-    for kernel in (cdf_draw, decode_attention, layer_ops, small_matmul, tile_matmul):
+    for kernel in (cdf_draw, decode_attention, fused_decode, layer_ops, small_matmul, tile_matmul):
         kernel._load.cache_clear()
+    fused_decode._library_function.cache_clear()
 
 
 @pytest.fixture

@@ -148,6 +148,7 @@ def test_the_decoder_runs_each_layer_on_int8_tiles_and_the_head_on_bf16_ones(mon
     monkeypatch.setattr(tile_matmul, "linear", lambda x, w: calls.append(w.scale is not None) or linear(x, w))
     decoder = SlotDecoder(model, packed=True, int8_weights=True)
     assert decoder.int8_refusal is None
+    decoder.fused = None  # each product from Python, to count them (the fused layers: test_fused_decode.py)
     _, (prefix,) = decoder.step(torch.zeros(0, dtype=torch.long), [PROMPTS[0]])
     decoder.reserve(3, len(PROMPTS[0]) + 1)
     decoder.load(prefix, [0, 1, 2])

@@ -116,7 +116,9 @@ PROMPT = [2, 40, 41, 42, 43]
 
 
 def _one_decode_step(decoder: SlotDecoder, rows: int = 5) -> torch.Tensor:
-    """Prefill `PROMPT` into `rows` slots, then one decode step in which row i feeds token 10 + i; its logits."""
+    """Prefill `PROMPT` into `rows` slots, then one decode step in which row i feeds token 10 + i; its logits. The
+    layers run one call at a time, each product from Python (the fused layers: test_fused_decode.py)."""
+    decoder.fused = None
     _, (prefix,) = decoder.step(torch.zeros(0, dtype=torch.long), [PROMPT])
     decoder.reserve(rows, len(PROMPT) + 1)
     decoder.load(prefix, list(range(rows)))
