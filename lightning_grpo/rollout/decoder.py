@@ -26,6 +26,7 @@ are computed without SDPA, which has no cap. A step without prompts runs all its
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from .decode_linears import PACK_MIN_NUMEL, Linear, Separate, Split, Stacked, in
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
 
 #: `config.model_type`s the decoder runs (see `architectures.ARCHITECTURES`).
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
@@ -216,6 +219,8 @@ class SlotDecoder:
         #: the steps without prompts in one C call (`fused_decode`), or None; `fused_refusal` says why not
         self.fused: fused_decode.FusedLayers | None = None
         self.fused_refusal = self._fuse(parallel)
+        if self.fused_refusal is not None:
+            log.info("The embedded generator runs a decode step's layers one call at a time: %s.", self.fused_refusal)
 
     def _fuse(self, parallel: bool) -> str | None:
         """Set `fused` where every layer can run in `fused_decode`; else return why not."""
