@@ -102,6 +102,14 @@ def threads_for(groups: RowGroups, kv_heads: int) -> int:
     return max(1, min(torch.get_num_threads(), groups.count * kv_heads // PAIRS_PER_THREAD))
 
 
+def full_slot(lengths: torch.Tensor, capacity: int) -> str | None:
+    """What is wrong where a row's new position (`lengths`) is past its slot's `capacity`, or None: the kernels would
+    write outside the cache."""
+    if lengths.numel() and int(lengths.max()) >= capacity:
+        return f"a slot is full: position {int(lengths.max())} of capacity {capacity}"
+    return None
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -165,8 +173,8 @@ def _check(q, k, v, key_cache, value_cache, lengths, groups: RowGroups) -> None:
         problems.append(f"k {tuple(k.shape)} / v {tuple(v.shape)} for q {tuple(q.shape)}")
     if lengths.dtype != torch.int64 or lengths.shape != (rows,):
         problems.append(f"lengths {lengths.dtype} {tuple(lengths.shape)} (int64, one per row)")
-    elif rows and not problems and int(lengths.max()) >= key_cache.shape[2]:
-        problems.append(f"a slot is full: position {int(lengths.max())} of capacity {key_cache.shape[2]}")
+    elif not problems and (full := full_slot(lengths, key_cache.shape[2])) is not None:
+        problems.append(full)
     if groups.order.numel() != rows:
         problems.append(f"groups of {groups.order.numel()} rows for {rows} rows")
     if problems:

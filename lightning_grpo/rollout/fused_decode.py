@@ -146,8 +146,9 @@ class FusedLayers:
         the rows' positions; `lengths`, `groups`, `keys` and `values` as `decode_attention.attend` takes them
         (one cache per layer)."""
         rows = hidden.shape[0]
-        if rows and int(lengths.max()) >= keys[0].shape[2]:
-            raise ValueError(f"fused_decode: a slot is full (position {int(lengths.max())} of {keys[0].shape[2]}).")
+        full = decode_attention.full_slot(lengths, keys[0].shape[2])
+        if full is not None:
+            raise ValueError(f"fused_decode got {full}. Reserve room first (SlotDecoder.reserve).")
         if not self._pointed:
             self._point_layers_at(keys, values)
         sizes = (rows, self._hidden, self._heads, self._kv_heads, self._dim, keys[0].shape[2], self._intermediate)
@@ -160,10 +161,12 @@ class FusedLayers:
             self._scale,
             *[t.data_ptr() for t in (lengths, groups.order, groups.starts, groups.prefix, cos, sin, *scratch)],
         )
-        kernels, function = _load()[0], _library_function()[0]
-        if kernels is None or function is None:
-            raise RuntimeError(f"fused_decode cannot run here: {unavailable_reason()}")
-        if function(ctypes.byref(kernels), self._layers, len(self._parts), ctypes.byref(step), hidden.data_ptr()):
+        library, reason = _load()
+        if library is None:
+            raise RuntimeError(f"fused_decode cannot run here: {reason}")
+        if library.decode_layers(
+            ctypes.byref(library.kernels), self._layers, len(self._parts), ctypes.byref(step), hidden.data_ptr()
+        ):
             raise RuntimeError("fused_decode could not allocate a kernel's scratch memory.")
         return hidden
 
@@ -227,9 +230,18 @@ def _is_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
         return torch.equal(act(probe), F.silu(probe))
 
 
+@dataclass(frozen=True, slots=True)
+class _Library:
+    """The C function that runs the layers, and the kernels it is handed."""
+
+    decode_layers: Callable[..., int]
+    kernels: _Kernels
+
+
 @functools.cache
-def _library_function() -> tuple[Callable[..., int] | None, str | None]:
-    return native_build.load_function(
+def _load() -> tuple[_Library | None, str | None]:
+    """(the fused layers' C function and the kernels it calls, None), or (None, why they cannot run here)."""
+    function, reason = native_build.load_function(
         _SOURCE,
         "decode_layers",
         [_POINTER, _POINTER, _INT, _POINTER, _POINTER],
@@ -238,12 +250,6 @@ def _library_function() -> tuple[Callable[..., int] | None, str | None]:
         fallback="the layers one call at a time",
         wide=True,
     )
-
-
-@functools.cache
-def _load() -> tuple[_Kernels | None, str | None]:
-    """(the kernels the fused layers call, None), or (None, why they cannot run here)."""
-    function, reason = _library_function()
     if function is None:
         return None, reason
     tiles, norms, attend = tile_matmul.c_functions(), layer_ops.c_functions(), decode_attention.c_function()
@@ -254,4 +260,4 @@ def _load() -> tuple[_Kernels | None, str | None]:
     if not attend:
         return None, f"the attention kernel is off: {decode_attention.unavailable_reason()}"
     kernels = _Kernels(tiles["tile_linear"], tiles["tile_linear_int8"], attend, norms["rms_norm"], norms["rotate"])
-    return kernels, None
+    return _Library(function, kernels), None

@@ -184,7 +184,8 @@ def c_functions() -> dict[str, int]:
     """The addresses of `tile_linear` and `tile_linear_int8` in C, for a caller in C (`fused_decode`); empty where
     the kernel cannot run."""
     functions = _load()[0] or {}
-    return {name: native_build.address(functions[name]) for name in ("tile_linear", "tile_linear_int8") if functions}
+    wanted = ("tile_linear", "tile_linear_int8")
+    return {name: native_build.address(function) for name, function in functions.items() if name in wanted}
 
 
 def _functions() -> dict[str, Callable[..., int]]:

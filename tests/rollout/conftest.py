@@ -21,7 +21,6 @@ from lightning_grpo.rollout import (
 def _clear_kernels() -> None:
     for kernel in (cdf_draw, decode_attention, fused_decode, layer_ops, small_matmul, tile_matmul):
         kernel._load.cache_clear()
-    fused_decode._library_function.cache_clear()
 
 
 @pytest.fixture

@@ -94,6 +94,21 @@ def test_weights_changed_in_place_and_repacked_are_used_at_the_next_fused_step()
     assert torch.equal(after, layer_by_layer)
 
 
+@needs_fused
+def test_a_full_slot_is_refused_before_anything_is_written():
+    """The C layers would write a row's key and value past its slot: the step refuses, naming the position."""
+    decoder = SlotDecoder(_bf16(tiny_llama(seed=6)), packed=True)
+    _, (prefix,) = decoder.step(torch.zeros(0, dtype=torch.long), PROMPTS[:1])
+    decoder.reserve(2, len(PROMPTS[0]))
+    decoder.load(prefix, [0, 1])
+    with torch.inference_mode():
+        decoder.lengths[1] = decoder.capacity
+    keys = [cache.clone() for cache in decoder._keys]
+    with pytest.raises(ValueError, match=f"a slot is full: position {decoder.capacity} of capacity"):
+        decoder.step(torch.tensor([5, 6]), [])
+    assert all(torch.equal(before, after) for before, after in zip(keys, decoder._keys, strict=True))
+
+
 def _step_again(decoder: SlotDecoder) -> torch.Tensor:
     """The last step's logits computed again (its rows' new keys and values overwritten)."""
     with torch.inference_mode():
