@@ -31,6 +31,9 @@ ENV_SWITCH = "LIGHTNING_GRPO_DECODE_ATTENTION"
 DTYPES = (torch.float32, torch.bfloat16)
 #: The fewest (row, key/value head) pairs per thread worth starting a thread for.
 PAIRS_PER_THREAD = 16
+#: The units of work (a group's rows against one key/value head) `spread` aims for per thread, so that unequal units
+#: still leave the threads about equal shares.
+UNITS_PER_THREAD = 2
 
 _SOURCE = Path(__file__).with_name("decode_attention.c")
 
@@ -98,8 +101,34 @@ def c_function() -> int:
 
 
 def threads_for(groups: RowGroups, kv_heads: int) -> int:
-    """The threads `attend` runs on: torch's, at most one per `PAIRS_PER_THREAD` (group, key/value head) pairs."""
-    return max(1, min(torch.get_num_threads(), groups.count * kv_heads // PAIRS_PER_THREAD))
+    """The threads `attend` runs on: torch's, at most one per `PAIRS_PER_THREAD` (row, key/value head) pairs, and
+    no more than the units of work, a (group, key/value head) pair each (`spread` cuts large groups for more)."""
+    rows = groups.order.numel()
+    return max(1, min(torch.get_num_threads(), rows * kv_heads // PAIRS_PER_THREAD, groups.count * kv_heads))
+
+
+def spread(groups: RowGroups, kv_heads: int) -> RowGroups:
+    """`groups` with large groups cut into parts of at least two rows each (every part keeps the group's shared
+    prefix), where the threads `threads_for` would give these rows have fewer than `UNITS_PER_THREAD` units each.
+
+    A thread attends for whole (group, key/value head) pairs, so 64 completions of one prompt with 3 key/value heads
+    are 3 units, too few to share between threads. A part reads the prefix's keys and values once for its rows
+    instead of once for the group, and every row's arithmetic is the same as in the whole group (a part of one row
+    would not share, and would sum in another order, so there is none).
+    """
+    rows = groups.order.numel()
+    threads = min(torch.get_num_threads(), rows * kv_heads // PAIRS_PER_THREAD)
+    wanted = threads * UNITS_PER_THREAD
+    if threads <= 1 or groups.count * kv_heads >= wanted:
+        return groups
+    cuts = -(-wanted // (groups.count * kv_heads))  # parts per group, where it has the rows for them
+    starts, prefix = [0], []
+    for begin, end, shared in zip(groups.starts[:-1].tolist(), groups.starts[1:].tolist(), groups.prefix.tolist()):
+        parts = max(1, min(cuts, (end - begin) // 2)) if shared > 0 else 1
+        bounds = [begin + (end - begin) * i // parts for i in range(1, parts + 1)]
+        starts.extend(bounds)
+        prefix.extend([shared] * parts)
+    return RowGroups(groups.order, torch.tensor(starts), torch.tensor(prefix))
 
 
 def full_slot(lengths: torch.Tensor, capacity: int) -> str | None:

@@ -333,9 +333,8 @@ class SlotDecoder:
         windows = {layer.window for layer in self._layers}
         masks = {window: None if self._attention_kernel else self._row_mask(lengths, window) for window in windows}
         if self._attention_kernel:  # once a step: which rows share their slots' prompt
-            self._groups = decode_attention.row_groups(
-                self._prefix_serials[:rows], self._prefix_lengths[:rows], lengths
-            )
+            shared = decode_attention.row_groups(self._prefix_serials[:rows], self._prefix_lengths[:rows], lengths)
+            self._groups = decode_attention.spread(shared, self.kv_heads)
         prompt_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
         if self.fused is not None and self._groups is not None and not prompts:  # groups: set above, as fused needs
             cos, sin = rotations[None]

@@ -147,6 +147,55 @@ def test_rows_group_by_their_prefix_id_and_a_row_without_one_stays_alone():
         decode_attention.row_groups(ids, prefix_lengths, torch.tensor([3, 6, 3, 9, 2, 10]))
 
 
+def test_threads_follow_the_rows_and_spread_cuts_few_large_groups_into_parts_of_two_rows_or_more():
+    """64 completions of one prompt with 3 key/value heads are 3 units of work; on 2 threads `spread` cuts the group
+    in two (6 units), each part keeping the prefix. A group of 3 rows is not cut (a part of one row would not share),
+    rows alone stay alone, and on 1 thread, or where the units already suffice, the groups come back unchanged."""
+    one_prompt = decode_attention.row_groups(torch.ones(64, dtype=torch.long), torch.full((64,), 47), torch.full((64,), 50))
+    with torch_threads(1):
+        assert decode_attention.spread(one_prompt, 3) is one_prompt
+        assert decode_attention.threads_for(one_prompt, 3) == 1
+    with torch_threads(2):
+        assert decode_attention.threads_for(one_prompt, 3) == 2  # 64 rows x 3 heads, though only 3 units
+        parts = decode_attention.spread(one_prompt, 3)
+        assert parts.starts.tolist() == [0, 32, 64] and parts.prefix.tolist() == [47, 47]
+        assert torch.equal(parts.order, one_prompt.order)
+        ids = torch.tensor([1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0])  # a group of 3 and 8 rows alone: 10 units on 3 heads
+        mixed = decode_attention.row_groups(ids, torch.where(ids > 0, 5, 0), torch.full((11,), 9))
+        assert decode_attention.spread(mixed, 3) is mixed
+        few = decode_attention.row_groups(torch.tensor([1, 1, 1, 2, 2, 2]), torch.full((6,), 5), torch.full((6,), 9))
+        assert decode_attention.spread(few, 3) is few  # 18 row-head pairs: one thread
+        assert decode_attention.threads_for(few, 3) == 1
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_group_cut_by_spread_attends_bit_for_bit_as_the_whole_group_on_one_thread_or_two(dtype, vector_build):
+    """The parts of a group read the prefix once each instead of once for all, and each row's sums run in the same
+    order, so the output equals the whole group's bit for bit, on 1 thread and on 2 (where the parts are shared out)."""
+    rows, heads, kv_heads, dim, prefix = 24, 6, 2, 32, 13
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(rows, heads, dim, generator=generator).to(dtype)
+    k, v = (torch.randn(rows, kv_heads, dim, generator=generator).to(dtype) for _ in range(2))
+    keys, values = (torch.randn(rows, kv_heads, 48, dim, generator=generator).to(dtype) for _ in range(2))
+    for cache in (keys, values):
+        cache[1:, :, :prefix] = cache[0, :, :prefix]
+    lengths = prefix + torch.randint(1, 30, (rows,), generator=generator)
+    whole = decode_attention.row_groups(torch.ones(rows, dtype=torch.long), torch.full((rows,), prefix), lengths)
+    with torch_threads(2):
+        parts = decode_attention.spread(whole, kv_heads)
+    assert parts.count == 2, "24 rows x 2 heads on 2 threads: the group should be cut in two"
+
+    def attend(groups: decode_attention.RowGroups, threads: int) -> torch.Tensor:
+        with torch_threads(threads):
+            return decode_attention.attend(q, k, v, keys.clone(), values.clone(), lengths, scale=0.3, groups=groups)
+
+    expected = attend(whole, 1)
+    assert torch.equal(attend(parts, 1), expected) and torch.equal(attend(parts, 2), expected)
+    reference_out, *_ = reference(q, k, v, keys, values, lengths, 0.3)
+    torch.testing.assert_close(expected.double(), reference_out, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("window", "threads"), [(None, 1), (None, 2), (12, 1)], ids=["all", "two_threads", "window"])
