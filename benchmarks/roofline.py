@@ -12,7 +12,8 @@ reaches); and memory bandwidth, the fastest `sum` (read) and `copy_` of a 256 MB
   prefill tokens/s (B distinct arithmetic prompts, one token each). Compute bound: the peak over the FLOPs per token
   (2 x parameters for decode: the LM head included, attention over the cache not; 2 x the non-head parameters per
   prompt token plus the head once per prompt for prefill), for the peak of the dtype it runs and, where another
-  dtype is faster here, for the best peak. Bandwidth bound (decode): B tokens per read of the weights' bytes;
+  dtype is faster here, for the best peak. Bandwidth bound (decode): B tokens per read of the weights' bytes and
+  of the key/value cache a step attends to (the prompt's once for the B rows, each row's own positions);
 - the packed train step (`benchmarks/packed_step.py`: tree attention, forward + backward of the GRPO loss; no
   optimizer step): model FLOPs 3 x (2 x non-head parameters x forwarded tokens + 2 x head parameters x trained
   positions + 4 x layers x query width x attended pairs), over the peak x `--threads`;
@@ -92,6 +93,7 @@ class Shape:
     bytes_per_param: int
     layers: int
     query_width: int  # heads x head_dim
+    kv_width: int  # key/value heads x head_dim
     hidden: int
     intermediate: int
     vocab: int
@@ -111,6 +113,7 @@ class Shape:
             bytes_per_param=head.element_size(),
             layers=config.num_hidden_layers,
             query_width=config.num_attention_heads * head_dim,
+            kv_width=config.num_key_value_heads * head_dim,
             hidden=config.hidden_size,
             intermediate=config.intermediate_size,
             vocab=config.vocab_size,
@@ -212,7 +215,8 @@ def _generator_rows_in(model, prompts: list[list[int]], shape: Shape, peaks: dic
             first = _generation_s(generator, one_prompt, 1, args.reps)
             longer = _generation_s(generator, one_prompt, 1 + args.decode_tokens, args.reps)
             decode = batch * args.decode_tokens / max(longer - first, 1e-9)
-            decode_rows += _decode_bounds(batch, decode, shape, peaks, dtype)
+            cached = len(prompts[0]) + batch * (1 + args.decode_tokens / 2)  # positions a timed step reads
+            decode_rows += _decode_bounds(batch, decode, cached, shape, peaks, dtype)
             before = generator.metrics()["generation/prefill_tokens_total"]
             prefill_s = _generation_s(generator, prompts[:batch], 1, args.reps)
             runs = args.reps + 1  # the warm-up call prefills too
@@ -232,12 +236,17 @@ def _generation_s(generator, prompts: list[list[int]], max_tokens: int, reps: in
     return common.median_seconds(lambda: asyncio.run(once()), warmup=1, reps=reps)
 
 
-def _decode_bounds(batch: int, decode: float, shape: Shape, peaks: dict, dtype: str) -> list[Row]:
+def _decode_bounds(batch: int, decode: float, cached: float, shape: Shape, peaks: dict, dtype: str) -> list[Row]:
+    """`cached`: the cache positions a step reads, on average over the timed steps (the completions of one prompt read
+    its positions once, then each its own)."""
     flops = 2.0 * (shape.body + shape.head)  # per sampled token
-    weight_bytes = (shape.body + shape.head) * DTYPES[dtype].itemsize  # read once per step, for `batch` tokens
+    itemsize = DTYPES[dtype].itemsize
+    weight_bytes = (shape.body + shape.head) * itemsize  # read once per step, for `batch` tokens
+    cache_bytes = shape.layers * 2 * shape.kv_width * itemsize * cached  # keys and values
     stage = f"decode, batch {batch}, {dtype}"
     rows = [Row(stage, decode, g * 1e9 / flops, "tok/s", kind, "generator") for kind, g in compute_bounds(peaks, dtype)]
-    rows.append(Row(stage, decode, batch * peaks["read_gbs"] * 1e9 / weight_bytes, "tok/s", "bandwidth", "generator"))
+    read_bound = batch * peaks["read_gbs"] * 1e9 / (weight_bytes + cache_bytes)
+    rows.append(Row(stage, decode, read_bound, "tok/s", "bandwidth, weights and cache", "generator"))
     return rows
 
 

@@ -123,7 +123,8 @@ def spread(groups: RowGroups, kv_heads: int) -> RowGroups:
         return groups
     cuts = -(-wanted // (groups.count * kv_heads))  # parts per group, where it has the rows for them
     starts, prefix = [0], []
-    for begin, end, shared in zip(groups.starts[:-1].tolist(), groups.starts[1:].tolist(), groups.prefix.tolist()):
+    bounds_of_groups = zip(groups.starts[:-1].tolist(), groups.starts[1:].tolist(), groups.prefix.tolist(), strict=True)
+    for begin, end, shared in bounds_of_groups:
         parts = max(1, min(cuts, (end - begin) // 2)) if shared > 0 else 1
         bounds = [begin + (end - begin) * i // parts for i in range(1, parts + 1)]
         starts.extend(bounds)

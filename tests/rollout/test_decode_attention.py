@@ -151,7 +151,9 @@ def test_threads_follow_the_rows_and_spread_cuts_few_large_groups_into_parts_of_
     """64 completions of one prompt with 3 key/value heads are 3 units of work; on 2 threads `spread` cuts the group
     in two (6 units), each part keeping the prefix. A group of 3 rows is not cut (a part of one row would not share),
     rows alone stay alone, and on 1 thread, or where the units already suffice, the groups come back unchanged."""
-    one_prompt = decode_attention.row_groups(torch.ones(64, dtype=torch.long), torch.full((64,), 47), torch.full((64,), 50))
+    one_prompt = decode_attention.row_groups(
+        torch.ones(64, dtype=torch.long), torch.full((64,), 47), torch.full((64,), 50)
+    )
     with torch_threads(1):
         assert decode_attention.spread(one_prompt, 3) is one_prompt
         assert decode_attention.threads_for(one_prompt, 3) == 1
