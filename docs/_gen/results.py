@@ -27,7 +27,7 @@ RESULTS = ROOT / "docs" / "results"
 MAIN_JOB = "main_job.json"
 RACE = "race-staleness/learning_race.json"
 #: One learning race per CPU kind measured (each names its machine): Intel Xeon with AMX, AMD EPYC with AVX-512 BF16.
-RACES = ("race-amx5/learning_race.json", RACE)
+RACES = ("race-amx7/learning_race.json", RACE)
 ROOFLINE = "roofline.json"
 #: One roofline per CPU kind measured (each names its machine): Intel Xeon with AMX, AMD EPYC with AVX-512 BF16.
 ROOFLINES = ("roofline-amx.json", ROOFLINE)
