@@ -103,8 +103,7 @@ def c_function() -> int:
 def threads_for(groups: RowGroups, kv_heads: int) -> int:
     """The threads `attend` runs on: torch's, at most one per `PAIRS_PER_THREAD` (row, key/value head) pairs, and
     no more than the units of work, a (group, key/value head) pair each (`spread` cuts large groups for more)."""
-    rows = groups.order.numel()
-    return max(1, min(torch.get_num_threads(), rows * kv_heads // PAIRS_PER_THREAD, groups.count * kv_heads))
+    return max(1, min(_row_threads(groups, kv_heads), groups.count * kv_heads))
 
 
 def spread(groups: RowGroups, kv_heads: int) -> RowGroups:
@@ -116,8 +115,7 @@ def spread(groups: RowGroups, kv_heads: int) -> RowGroups:
     instead of once for the group, and every row's arithmetic is the same as in the whole group (a part of one row
     would not share, and would sum in another order, so there is none).
     """
-    rows = groups.order.numel()
-    threads = min(torch.get_num_threads(), rows * kv_heads // PAIRS_PER_THREAD)
+    threads = _row_threads(groups, kv_heads)
     wanted = threads * UNITS_PER_THREAD
     if threads <= 1 or groups.count * kv_heads >= wanted:
         return groups
@@ -130,6 +128,11 @@ def spread(groups: RowGroups, kv_heads: int) -> RowGroups:
         starts.extend(bounds)
         prefix.extend([shared] * parts)
     return RowGroups(groups.order, torch.tensor(starts), torch.tensor(prefix))
+
+
+def _row_threads(groups: RowGroups, kv_heads: int) -> int:
+    """torch's threads, at most one per `PAIRS_PER_THREAD` (row, key/value head) pairs (may be 0)."""
+    return min(torch.get_num_threads(), groups.order.numel() * kv_heads // PAIRS_PER_THREAD)
 
 
 def full_slot(lengths: torch.Tensor, capacity: int) -> str | None:
