@@ -9,9 +9,10 @@ fp32 on CPU, with the same weights:
   SDPA with an attention mask, logits for the completion positions of every row (`logits_to_keep`).
 
 Sections: `step` (both models, the ratio), `layouts` (tree attention's two SDPA layouts on the tiny model),
-`logprobs` (the packed step with `packed_logprobs`' chunked log-probabilities, `selected_logprobs`, against the same
-forward followed by the plain formula over the whole `(M, V)` logits, `packed_logprobs`' own path when the entropy
-keeps its gradient: `logsumexp`, `gather`, the entropy from `softmax`), `compile` (the packed step with each decoder
+`logprobs` (the packed step with `packed_logprobs`' log-probabilities, `selected_logprobs`, from its C kernel and from
+its torch chunks, against the same forward followed by the plain formula over the whole `(M, V)` logits,
+`packed_logprobs`' own path when the entropy keeps its gradient: `logsumexp`, `gather`, the entropy from `softmax`, in
+each of `--precisions`), `compile` (the packed step with each decoder
 layer compiled, `GRPOModule(torch_compile=True)`, against the same eager step, in each of `--precisions`), `heap`
 (the packed step with the memory each step frees kept for the next, `training.heap.FitHeap` as a CPU fit applies it,
 against glibc's defaults, with each one's page faults per step, in each of `--precisions`). Timings
@@ -26,6 +27,7 @@ Usage: `python benchmarks/packed_step.py [--section step|layouts|logprobs|compil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import os
@@ -33,7 +35,8 @@ import platform
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from unittest import mock
 
 import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
 import numpy as np  # noqa: E402
@@ -41,6 +44,7 @@ import torch  # noqa: E402
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 
 from lightning_grpo.models import load_policy  # noqa: E402
+from lightning_grpo.training import selected_logprobs as selected_logprobs_module  # noqa: E402
 from lightning_grpo.training.attention import tree_model_kwargs, use_tree_attention  # noqa: E402
 from lightning_grpo.training.compilation import CompileOptions, compile_policy  # noqa: E402
 from lightning_grpo.training.heap import FitHeap  # noqa: E402
@@ -227,28 +231,56 @@ def section_layouts(args: argparse.Namespace) -> None:
 
 def section_logprobs(args: argparse.Namespace) -> None:
     print(
-        f"\n## logprobs: the packed step with chunked log-probabilities vs the plain formula, fp32, "
-        f"median of {args.reps}\n"
+        f"\n## logprobs: the packed step with `selected_logprobs`' C kernel vs its torch chunks vs the plain formula, "
+        f"in each of `--precisions`, median of {args.reps}\n"
     )
-    print("| model | groups | trained positions | max logprob diff | chunked (ms) | plain (ms) | chunked / plain |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| model | groups | precision | trained positions | max logprob diff, kernel vs chunks | kernel (ms) | "
+        "chunks (ms) | plain (ms) | chunks / kernel |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
-        model = _load_or_report(name)
+        model = _tree_policy_or_report(name)
         if model is None:
             continue
-        model = use_tree_attention(model)
         for num_groups in args.groups:
             samples = make_samples(num_groups, model.config.vocab_size)
             mb = pack(samples)
-            with torch.no_grad():
-                diff = float((packed_logprobs(model, mb)[0] - plain_logprobs(model, mb)[0]).abs().max())
-            steps = {"chunked": packed_step(model, samples)[0], "plain": packed_step(model, samples, plain_logprobs)[0]}
-            times = timed(steps, args.warmup, args.reps)
-            print(
-                f"| {name} | {num_groups} | {mb['token_index'].numel()} | {diff:.1e} | {times['chunked'] * 1e3:.1f} | "
-                f"{times['plain'] * 1e3:.1f} | {times['chunked'] / times['plain']:.2f}x |",
-                flush=True,
-            )
+            for precision in args.precisions:
+                under = functools.partial(
+                    torch.autocast, "cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"
+                )
+                with torch.no_grad(), under():
+                    kernel = packed_logprobs(model, mb)[0]
+                    with torch_chunks():
+                        diff = float((kernel - packed_logprobs(model, mb)[0]).abs().max())
+                steps = {
+                    "kernel": _under(under, packed_step(model, samples)[0]),
+                    "chunks": _under(functools.partial(_both, under, torch_chunks), packed_step(model, samples)[0]),
+                    "plain": _under(under, packed_step(model, samples, plain_logprobs)[0]),
+                }
+                times = timed(steps, args.warmup, args.reps)
+                print(
+                    f"| {name} | {num_groups} | {precision} | {mb['token_index'].numel()} | {diff:.1e} | "
+                    f"{times['kernel'] * 1e3:.1f} | {times['chunks'] * 1e3:.1f} | {times['plain'] * 1e3:.1f} | "
+                    f"{times['chunks'] / times['kernel']:.2f}x |",
+                    flush=True,
+                )
+
+
+@contextlib.contextmanager
+def torch_chunks() -> Iterator[None]:
+    """`selected_logprobs` on torch's chunks, as where its C kernel cannot run (`LIGHTNING_GRPO_LOGPROB_KERNEL=0`)."""
+    with mock.patch.object(selected_logprobs_module, "_use_kernel", lambda logits, labels, kernel: False):
+        yield
+
+
+@contextlib.contextmanager
+def _both(
+    first: Callable[[], contextlib.AbstractContextManager], second: Callable[[], contextlib.AbstractContextManager]
+) -> Iterator[None]:
+    with first(), second():
+        yield
 
 
 def section_compile(args: argparse.Namespace) -> None:

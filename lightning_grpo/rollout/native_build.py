@@ -1,5 +1,6 @@
-"""The embedded generator's C kernels (`small_matmul.c`, `tile_matmul.c`, `decode_attention.c`, `layer_ops.c`,
-`cdf_draw.c`, sharing `simd.h` and `split_threads.h`): compiled on first use and loaded.
+"""The C kernels: the embedded generator's (`small_matmul.c`, `tile_matmul.c`, `decode_attention.c`, `layer_ops.c`,
+`cdf_draw.c`, `fused_decode.c`) and the trainer's (`training/logprob_rows.c`), sharing this folder's `simd.h` and
+`split_threads.h`: compiled on first use and loaded.
 
 Each kernel is compiled with the system's C compiler (`$CC`, else `cc`, else `gcc`) into `<cache>/kernels/`
 (`$LIGHTNING_GRPO_CACHE`, default `~/.cache/lightning_grpo`), once per source (with the headers beside it), flags and
@@ -24,6 +25,9 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
+
+#: The folder of the headers every kernel may include (`simd.h`, `split_threads.h`), wherever its source is.
+HEADERS = Path(__file__).parent
 
 #: The compiler flags of every kernel (no fused multiply-adds but those written out: rounding as written).
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
@@ -68,11 +72,12 @@ def load_function(
     fallback: str,
     wide: bool = False,
     extra: tuple[str, ...] = (),
+    owner: str = "embedded generator",
 ) -> tuple[Callable[..., int] | None, str | None]:
     """(the function `name` of `source`'s library, typed with `argtypes` and an int result, None), or (None, why it
     cannot run here). See `load_functions`."""
     functions, reason = load_functions(
-        source, {name: argtypes}, switch=switch, kernel=kernel, fallback=fallback, wide=wide, extra=extra
+        source, {name: argtypes}, switch=switch, kernel=kernel, fallback=fallback, wide=wide, extra=extra, owner=owner
     )
     return (None, reason) if functions is None else (functions[name], None)
 
@@ -86,11 +91,12 @@ def load_functions(
     fallback: str,
     wide: bool = False,
     extra: tuple[str, ...] = (),
+    owner: str = "embedded generator",
 ) -> tuple[dict[str, Callable[..., int]] | None, str | None]:
     """({name: the function of `source`'s library, typed with its argtypes and an int result}, None) for the names
-    of `signatures`, or (None, why they cannot run here). The reason is logged, naming `kernel` ("small-batch
-    kernel") and what runs instead (`fallback`); callers cache the answer, so it is logged once. `wide`: built with
-    AVX-512 where torch runs it, plus `extra` flags (see `flags`)."""
+    of `signatures`, or (None, why they cannot run here). The reason is logged, naming the `owner`'s `kernel` ("the
+    embedded generator's small-batch kernel") and what runs instead (`fallback`); callers cache the answer, so it is
+    logged once. `wide`: built with AVX-512 where torch runs it, plus `extra` flags (see `flags`)."""
     reason = refusal(switch)
     if reason is None:
         try:
@@ -98,13 +104,13 @@ def load_functions(
             functions = {name: getattr(library, name) for name in signatures}
         except (OSError, subprocess.SubprocessError, AttributeError) as error:
             reason = f"building or loading {source.name} failed: {error}"
-            log.warning("The embedded generator's %s is off (%s); %s run instead.", kernel, reason, fallback)
+            log.warning("The %s's %s is off (%s); %s run instead.", owner, kernel, reason, fallback)
             return None, reason
         for name, function in functions.items():
             function.argtypes = signatures[name]
             function.restype = ctypes.c_int
         return functions, None
-    log.info("The embedded generator's %s is off (%s); %s run instead.", kernel, reason, fallback)
+    log.info("The %s's %s is off (%s); %s run instead.", owner, kernel, reason, fallback)
     return None, reason
 
 
@@ -140,7 +146,8 @@ def build(source: Path, wide: bool = False, extra: tuple[str, ...] = ()) -> Path
         raise OSError("no C compiler found: set $CC or install gcc")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     options = flags(wide, extra)
-    headers = [header.read_bytes() for header in sorted(source.parent.glob("*.h"))]  # what a source may include
+    # what a source may include: the headers beside it and the shared ones
+    headers = [header.read_bytes() for header in sorted({*source.parent.glob("*.h"), *HEADERS.glob("*.h")})]
     digest = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(options).encode(), version.encode()]))
     folder = default_cache_dir() / "kernels"
     target = folder / f"{source.stem}-{digest.hexdigest()[:16]}.so"
@@ -151,7 +158,7 @@ def build(source: Path, wide: bool = False, extra: tuple[str, ...] = ()) -> Path
     os.close(handle)
     try:
         done = subprocess.run(
-            [cc, *options, str(source), "-o", partial, "-lm"], capture_output=True, text=True, timeout=120
+            [cc, *options, f"-I{HEADERS}", str(source), "-o", partial, "-lm"], capture_output=True, text=True, timeout=120
         )
         if done.returncode != 0:
             raise OSError(f"{cc} exited {done.returncode}: {done.stderr.strip()[-500:]}")

@@ -1,14 +1,31 @@
 """Log-probability of each row's label and the row's entropy under `softmax(logits / temperature)`, computed a few
-rows at a time: the memory-lean form of `log_softmax(logits.float() / temperature).gather(...)` for the loss."""
+rows at a time: the memory-lean form of `log_softmax(logits.float() / temperature).gather(...)` for the loss.
+
+On a CPU a C kernel (`logprob_rows.c`) computes float32 and bf16 logits in two passes over each row forward and one
+backward, on torch's threads, where torch's operations take about a dozen passes over chunks of rows (a cast, the
+division, the maximum, the exponentials, the sums, the entropy's product, and the backward's own). Where the kernel
+cannot run (not x86 with AVX2 and FMA, no C compiler, a failed build, or `LIGHTNING_GRPO_LOGPROB_KERNEL=0`) the
+chunks of torch's operations run instead, and the reason is logged once.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import functools
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["CHUNK_ELEMENTS", "selected_logprobs"]
+from ..rollout import native_build
+
+__all__ = ["CHUNK_ELEMENTS", "ENV_SWITCH", "kernel_unavailable_reason", "selected_logprobs"]
+
+#: Set to "0" to compute with torch's operations instead of the C kernel.
+ENV_SWITCH = "LIGHTNING_GRPO_LOGPROB_KERNEL"
+_SOURCE = Path(__file__).with_name("logprob_rows.c")
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 # A chunk of ~4 MB in fp32 (21 rows of a 49k vocabulary): its few passes are served from a CPU's cache rather than
 # from memory, and the chunks are few enough that their Python overhead does not count (a small vocabulary gets few,
@@ -18,7 +35,12 @@ _ACCELERATOR_CHUNK_ROWS = 1024
 
 
 def selected_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *, chunk_rows: int | None = None
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    chunk_rows: int | None = None,
+    kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(logprobs, entropy)` of `softmax(logits / temperature)`: each row's label and the whole distribution.
 
@@ -30,13 +52,19 @@ def selected_logprobs(
     The entropy is detached (a metric); for an entropy with gradient, or a truncated (top-k/top-p/min-p)
     distribution, use the plain formula. The arithmetic is float32 whatever the logits' dtype (float64 for float64
     logits); a minus-infinite logit gets probability 0 and is left out of the entropy, as the plain formula with
-    `where(isfinite(...))` does.
+    `where(isfinite(...))` does. torch's chunks take the plain formula's steps, so their values and gradient are
+    `gather - logsumexp`'s to the last bit; the C kernel's are within float32 rounding of them (its exponential's
+    relative error is about 2e-7, and it sums in another order).
 
     Args:
         logits: `(M, V)` floating point, with or without grad.
         labels: `(M,)` integer token ids in `[0, V)`.
         temperature: divides the logits (positive).
-        chunk_rows: rows per chunk; None: `CHUNK_ELEMENTS // V` (at least 1) on a CPU, 1024 on an accelerator.
+        chunk_rows: rows per chunk of torch's operations; None: `CHUNK_ELEMENTS // V` (at least 1) on a CPU, 1024
+            on an accelerator.
+        kernel: None: the C kernel where it can run (CPU float32 or bf16 logits whose rows are contiguous, see the
+            module's docstring), else torch's chunks; False: torch's chunks; True: the kernel, or an error saying
+            why it cannot run.
 
     Returns:
         `(logprobs, entropy)`, each `(M,)` float32 (float64 for float64 logits); `entropy` never requires grad.
@@ -50,19 +78,45 @@ def selected_logprobs(
         chunk_rows = max(1, CHUNK_ELEMENTS // max(1, logits.shape[-1])) if cpu else _ACCELERATOR_CHUNK_ROWS
     if chunk_rows < 1:
         raise ValueError(f"`chunk_rows={chunk_rows}` must be at least 1.")
+    use_kernel = _use_kernel(logits, labels, kernel)
     if torch.is_grad_enabled() and logits.requires_grad:
-        logprobs, entropy = _SelectedLogprobs.apply(logits, labels, float(temperature), chunk_rows)
+        logprobs, entropy = _SelectedLogprobs.apply(logits, labels, float(temperature), chunk_rows, use_kernel)
         return logprobs, entropy
-    logprobs, entropy, _ = _forward(logits.detach(), labels, float(temperature), chunk_rows)
+    forward = _kernel_forward if use_kernel else _forward
+    logprobs, entropy, _ = forward(logits.detach(), labels, float(temperature), chunk_rows)
     return logprobs, entropy
+
+
+def kernel_unavailable_reason() -> str | None:
+    """Why the C kernel cannot run here, or None when it can (it is built and loaded on the first call)."""
+    return _load()[1]
+
+
+def _use_kernel(logits: torch.Tensor, labels: torch.Tensor, kernel: bool | None) -> bool:
+    """Whether the C kernel computes these logits (see `selected_logprobs`' `kernel`)."""
+    if kernel is False:
+        return False
+    why = _load()[1]
+    if why is None and not (logits.device.type == "cpu" and logits.dtype in _KERNEL_DTYPES):
+        why = f"it takes float32 or bf16 logits on a CPU, not {logits.dtype} on {logits.device}"
+    if why is None and logits.shape[1] > 1 and logits.stride(-1) != 1:
+        why = f"it takes logits whose rows are contiguous, not strides {tuple(logits.stride())}"
+    if why is not None and kernel:
+        raise RuntimeError(f"selected_logprobs(kernel=True): the C kernel cannot run: {why}. Pass kernel=None.")
+    if why is None and labels.numel() and not (int(labels.min()) >= 0 and int(labels.max()) < logits.shape[1]):
+        raise ValueError(
+            f"labels must be token ids in [0, {logits.shape[1]}), got {int(labels.min())} to {int(labels.max())}"
+        )
+    return why is None
 
 
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, temperature, chunk_rows):
-        logprobs, entropy, log_norm = _forward(logits, labels, temperature, chunk_rows)
+    def forward(ctx, logits, labels, temperature, chunk_rows, use_kernel):
+        forward = _kernel_forward if use_kernel else _forward
+        logprobs, entropy, log_norm = forward(logits, labels, temperature, chunk_rows)
         ctx.save_for_backward(logits, labels, log_norm)
-        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.temperature, ctx.chunk_rows, ctx.use_kernel = temperature, chunk_rows, use_kernel
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
@@ -70,7 +124,9 @@ class _SelectedLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_logprobs, _grad_entropy):
         logits, labels, log_norm = ctx.saved_tensors
-        return _backward(logits, labels, log_norm, grad_logprobs, ctx.temperature, ctx.chunk_rows), None, None, None
+        backward = _kernel_backward if ctx.use_kernel else _backward
+        grad = backward(logits, labels, log_norm, grad_logprobs, ctx.temperature, ctx.chunk_rows)
+        return grad, None, None, None, None
 
 
 def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -165,3 +221,68 @@ def _backward(
         if not direct:
             out[start:end].copy_(p)
     return out
+
+
+# -- the C kernel ------------------------------------------------------------------------------------------------------
+
+
+def _kernel_forward(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, _chunk_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_forward`'s `(logprobs, entropy, log_norm)` from the C kernel."""
+    functions = _kernel()
+    rows, vocab = logits.shape
+    logprobs, entropy, log_norm = (torch.empty(rows, dtype=torch.float32) for _ in range(3))
+    labels = labels.to(torch.int64).contiguous()
+    functions["logprob_rows_forward"](
+        logits.data_ptr(), rows, vocab, logits.stride(0), int(logits.dtype == torch.bfloat16), temperature,
+        labels.data_ptr(), logprobs.data_ptr(), entropy.data_ptr(), log_norm.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return logprobs, entropy, log_norm
+
+
+def _kernel_backward(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    log_norm: torch.Tensor,
+    grad: torch.Tensor,
+    temperature: float,
+    _chunk_rows: int,
+) -> torch.Tensor:
+    """`_backward`'s gradient, like `logits`, from the C kernel."""
+    functions = _kernel()
+    rows, vocab = logits.shape
+    out = torch.empty(rows, vocab, dtype=logits.dtype)
+    grad = grad.to(torch.float32).contiguous()
+    labels = labels.to(torch.int64).contiguous()
+    functions["logprob_rows_backward"](
+        logits.data_ptr(), rows, vocab, logits.stride(0), int(logits.dtype == torch.bfloat16), temperature,
+        labels.data_ptr(), log_norm.data_ptr(), grad.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def _kernel() -> dict[str, Callable[..., int]]:
+    functions, why = _load()
+    if functions is None:  # `_use_kernel` chose the kernel, so it loaded
+        raise RuntimeError(f"selected_logprobs' C kernel cannot run: {why}")
+    return functions
+
+
+@functools.cache
+def _load() -> tuple[dict[str, Callable[..., int]] | None, str | None]:
+    """({name: the kernel's function}, None), or (None, why not); the reason is logged once."""
+    head = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_float]
+    pointers = [ctypes.c_void_p] * 4
+    return native_build.load_functions(
+        _SOURCE,
+        {
+            "logprob_rows_forward": [*head, *pointers, ctypes.c_int],
+            "logprob_rows_backward": [*head, *pointers, ctypes.c_int],
+        },
+        switch=ENV_SWITCH,
+        kernel="log-probability kernel",
+        fallback="torch's operations",
+        wide=True,
+        owner="trainer",
+    )

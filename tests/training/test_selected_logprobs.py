@@ -1,6 +1,7 @@
 """The chunked label log-probability and entropy (`selected_logprobs`): the plain autograd formula's values and
 gradients on random logits (temperatures, bf16, empty, chunk boundaries, minus-infinite logits), `gradcheck`, and
-`packed_logprobs` on the tiny model against the plain formula on the model's own logits."""
+`packed_logprobs` on the tiny model against the plain formula on the model's own logits; the C kernel against torch's
+chunks (each vector build, 1 and 2 threads, strided rows), and its refusals."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import torch
 from helpers.tiny import micro_batch, shared_prompt_group
 
 from lightning_grpo.models import tiny_llama
+from lightning_grpo.rollout import native_build
+from lightning_grpo.training import selected_logprobs as selected_logprobs_module
 from lightning_grpo.training.attention import tree_model_kwargs, use_tree_attention
 from lightning_grpo.training.loss import packed_logprobs
-from lightning_grpo.training.selected_logprobs import selected_logprobs
+from lightning_grpo.training.selected_logprobs import ENV_SWITCH, kernel_unavailable_reason, selected_logprobs
 
 VOCAB = 1000
 
@@ -76,7 +79,11 @@ def values_and_grad(fn, logits, labels, upstream, temperature):
 def test_float32_values_and_gradient_equal_the_plain_formula(rows, chunk_rows, temperature):
     logits, labels, upstream = random_case(rows, torch.float32)
     got = values_and_grad(
-        lambda x, y, t: selected_logprobs(x, y, t, chunk_rows=chunk_rows), logits, labels, upstream, temperature
+        lambda x, y, t: selected_logprobs(x, y, t, chunk_rows=chunk_rows, kernel=False),
+        logits,
+        labels,
+        upstream,
+        temperature,
     )
     expected = values_and_grad(plain, logits, labels, upstream, temperature)
     assert got[0].dtype == got[1].dtype == torch.float32 and got[0].shape == got[1].shape == (rows,)
@@ -91,7 +98,9 @@ def test_float32_values_and_gradient_equal_the_plain_formula(rows, chunk_rows, t
 
 def test_bfloat16_logits_are_computed_in_float32_and_get_a_bfloat16_gradient():
     logits, labels, upstream = random_case(37, torch.bfloat16, seed=1)
-    got = values_and_grad(lambda x, y, t: selected_logprobs(x, y, t, chunk_rows=16), logits, labels, upstream, 0.7)
+    got = values_and_grad(
+        lambda x, y, t: selected_logprobs(x, y, t, chunk_rows=16, kernel=False), logits, labels, upstream, 0.7
+    )
     expected = values_and_grad(plain, logits, labels, upstream, 0.7)
     assert got[0].dtype == got[1].dtype == torch.float32 and got[2].dtype == torch.bfloat16
     torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-6)
@@ -130,7 +139,9 @@ def test_a_minus_infinite_logit_has_probability_zero_and_no_entropy_term():
     logits, labels, upstream = random_case(6, torch.float32, seed=3)
     logits[1, 5] = logits[4, :10] = float("-inf")
     labels[4] = 20
-    got = values_and_grad(lambda x, y, t: selected_logprobs(x, y, t, chunk_rows=4), logits, labels, upstream, 0.7)
+    got = values_and_grad(
+        lambda x, y, t: selected_logprobs(x, y, t, chunk_rows=4, kernel=False), logits, labels, upstream, 0.7
+    )
     expected = values_and_grad(plain, logits, labels, upstream, 0.7)
     assert torch.isfinite(got[1]).all()
     torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-6)
@@ -180,3 +191,119 @@ def test_packed_logprobs_equals_the_plain_formula_on_the_models_logits_with_the_
         # the model: within 1e-6 of each gradient's scale
         scale = max(1.0, ref.grad.abs().max().item())
         torch.testing.assert_close(got.grad, ref.grad, rtol=1e-5, atol=1e-6 * scale, msg=name)
+
+
+# -- the C kernel ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["native", "avx2"])
+def kernel_build(request, monkeypatch):
+    """The kernel as built for this CPU (AVX-512's 16 lanes where torch runs AVX-512), then its AVX2 build; a CPU
+    where it cannot run fails the test (the suite's machines all run it)."""
+    if request.param == "avx2":
+        if native_build.vector_isa() != "AVX512":
+            pytest.skip("the native build is the AVX2 one here")
+        monkeypatch.setattr(native_build, "vector_isa", lambda: "AVX2")
+    selected_logprobs_module._load.cache_clear()
+    assert kernel_unavailable_reason() is None
+    yield request.param
+    monkeypatch.undo()
+    selected_logprobs_module._load.cache_clear()
+
+
+def assert_kernel_matches_chunks(logits, labels, upstream, temperature):
+    """The kernel's values and gradient against torch's chunks': within float32 rounding (a few units in the last
+    place of the log-normaliser), the gradient within bf16 rounding where it is bf16."""
+    got = values_and_grad(
+        lambda x, y, t: selected_logprobs(x, y, t, kernel=True), logits, labels, upstream, temperature
+    )
+    chunks = values_and_grad(
+        lambda x, y, t: selected_logprobs(x, y, t, kernel=False), logits, labels, upstream, temperature
+    )
+    assert [v.dtype for v in got] == [v.dtype for v in chunks] and [v.shape for v in got] == [v.shape for v in chunks]
+    assert not got[1].requires_grad
+    torch.testing.assert_close(got[0], chunks[0], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(got[1], chunks[1], rtol=1e-6, atol=1e-5)
+    rtol = 2**-7 if logits.dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got[2].float(), chunks[2].float(), rtol=rtol, atol=1e-7)
+    return got
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("dtype", "temperature"), [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 0.7)])
+@pytest.mark.parametrize("rows", [37, 1, 0])
+def test_the_kernel_gives_the_chunks_values_and_gradient_within_float32_rounding(
+    kernel_build, threads, dtype, temperature, rows
+):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        logits, labels, upstream = random_case(rows, dtype, seed=6)
+        # a vocabulary that is no multiple of the vector width: the rows' tails run lane by lane
+        logits, labels = logits[:, : VOCAB - 3], labels.clamp(max=VOCAB - 4)
+        got = assert_kernel_matches_chunks(logits.contiguous(), labels, upstream, temperature)
+        expected = values_and_grad(plain, logits, labels, upstream, temperature)
+        assert_entropy_close(got[1], expected[1], logits.float() / temperature)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_the_kernel_reads_strided_rows_and_leaves_minus_infinite_logits_out(kernel_build):
+    logits, labels, upstream = random_case(6, torch.float32, seed=7)
+    wide = torch.cat([logits, torch.zeros(6, 5)], dim=1)
+    wide[1, 5] = wide[4, :10] = float("-inf")
+    labels[4] = 20
+    strided = wide[:, :VOCAB]
+    assert strided.stride(0) == VOCAB + 5
+    got = assert_kernel_matches_chunks(strided, labels, upstream, 0.7)
+    assert torch.isfinite(got[1]).all()
+    assert (got[2][4, :10] == 0).all()  # probability 0: no gradient
+    expected = values_and_grad(plain, strided, labels, upstream, 0.7)
+    assert_entropy_close(got[1], expected[1], strided / 0.7)
+
+
+def test_by_default_the_kernel_computes_cpu_logits_and_torch_the_rest():
+    logits, labels, _ = random_case(9, torch.float32, seed=8)
+    kernel = selected_logprobs(logits, labels, 0.7, kernel=True)
+    assert all(torch.equal(a, b) for a, b in zip(selected_logprobs(logits, labels, 0.7), kernel, strict=True))
+    chunks = selected_logprobs(logits.double(), labels, 0.7)  # float64: torch's chunks
+    torch.testing.assert_close(chunks[0].float(), kernel[0], rtol=1e-6, atol=1e-5)
+    column_strided = logits.t().contiguous().t()
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            selected_logprobs(column_strided, labels, 0.7),
+            selected_logprobs(logits, labels, 0.7, kernel=False),
+            strict=True,
+        )
+    )
+    with pytest.raises(RuntimeError, match=r"rows are contiguous.*Pass kernel=None"):
+        selected_logprobs(column_strided, labels, 0.7, kernel=True)
+    with pytest.raises(RuntimeError, match=r"float32 or bf16 logits on a CPU, not torch.float64"):
+        selected_logprobs(logits.double(), labels, 0.7, kernel=True)
+
+
+def test_the_kernel_refuses_labels_outside_the_vocabulary_before_reading_any():
+    logits, labels, _ = random_case(3, torch.float32)
+    for bad in (VOCAB, -1):
+        labels[1] = bad
+        with pytest.raises(ValueError, match=rf"token ids in \[0, {VOCAB}\), got {min(bad, 0)} to"):
+            selected_logprobs(logits, labels)
+
+
+def test_switched_off_the_kernel_says_why_and_torch_computes(monkeypatch):
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    selected_logprobs_module._load.cache_clear()
+    try:
+        assert kernel_unavailable_reason() == f"{ENV_SWITCH}=0"
+        logits, labels, upstream = random_case(5, torch.float32, seed=9)
+        default = values_and_grad(selected_logprobs, logits, labels, upstream, 0.7)
+        chunks = values_and_grad(
+            lambda x, y, t: selected_logprobs(x, y, t, kernel=False), logits, labels, upstream, 0.7
+        )
+        assert all(torch.equal(a, b) for a, b in zip(default, chunks, strict=True))
+        with pytest.raises(RuntimeError, match=f"cannot run: {ENV_SWITCH}=0"):
+            selected_logprobs(logits, labels, 0.7, kernel=True)
+    finally:
+        monkeypatch.undo()
+        selected_logprobs_module._load.cache_clear()
