@@ -253,9 +253,12 @@ def allocation_growth(marks: list[dict[str, Any]], top: int) -> dict[str, Any]:
     }
 
 
-def fit(args: argparse.Namespace) -> tuple[list[dict[str, float]], dict[str, float], int, dict[str, Any] | None]:
-    """Run the fit with the sampler on; returns the samples, the last value of each counter, the epochs run and the
-    allocation report (None without `--tracemalloc`)."""
+def fit(
+    args: argparse.Namespace,
+) -> tuple[list[dict[str, float]], dict[str, float], int, int, dict[str, Any] | None]:
+    """Run the fit with the sampler on; returns the samples, the last value of each counter, the epochs run, the
+    optimizer steps taken (the samples may miss the last ones) and the allocation report (None without
+    `--tracemalloc`)."""
     from lightning.pytorch.loggers.logger import Logger
 
     from lightning_grpo import GRPODataModule, GRPOModule
@@ -295,7 +298,8 @@ def fit(args: argparse.Namespace) -> tuple[list[dict[str, float]], dict[str, flo
     finally:
         sampler.stop.set()
         sampler.join()
-    return sampler.rows, logger.last, epochs, watch.report(15) if watch is not None else None
+    allocations = watch.report(15) if watch is not None else None
+    return sampler.rows, logger.last, epochs, trainer.global_step, allocations
 
 
 def verdict(rows: list[dict[str, float]], name: str) -> dict[str, Any]:
@@ -349,7 +353,9 @@ def expected_faults(args: argparse.Namespace, epochs: int) -> dict[str, int]:
     }
 
 
-def report(args: argparse.Namespace, rows: list[dict[str, float]], counters: dict[str, float], epochs: int) -> dict:
+def report(
+    args: argparse.Namespace, rows: list[dict[str, float]], counters: dict[str, float], epochs: int, steps: int
+) -> dict:
     verdicts = [verdict(rows, name) for name in SERIES]
     expected = expected_faults(args, epochs)
     faults = {name: {"expected": count, "counted": counters.get(name)} for name, count in expected.items()}
@@ -357,7 +363,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, float]], counters: dic
         "machine": f"soak: commit {args.commit}, {common.machine()}",  # the code the run started with
         "load_average": {"start": args.load_start, "end": os.getloadavg()},
         "options": {k: v for k, v in vars(args).items() if k not in ("load_start", "commit")} | {"out": str(args.out)},
-        "steps": max((row["step"] for row in rows), default=0),
+        "steps": steps,
         "samples": rows,
         "verdicts": verdicts,
         "rss_quarters": [rss_quarters(rows, name) for name in JUDGED_RSS],
@@ -454,8 +460,8 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1.")
     args.out.mkdir(parents=True, exist_ok=True)
     args.load_start, args.commit = os.getloadavg(), common.git_commit()
-    rows, counters, epochs, allocations = fit(args)
-    result = report(args, rows, counters, epochs) | {"allocations": allocations}
+    rows, counters, epochs, steps, allocations = fit(args)
+    result = report(args, rows, counters, epochs, steps) | {"allocations": allocations}
     (args.out / "soak.json").write_text(json.dumps(result, indent=1))
     print_report(result)
     if allocations is not None:
