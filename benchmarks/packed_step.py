@@ -247,9 +247,7 @@ def section_logprobs(args: argparse.Namespace) -> None:
             samples = make_samples(num_groups, model.config.vocab_size)
             mb = pack(samples)
             for precision in args.precisions:
-                under = functools.partial(
-                    torch.autocast, "cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"
-                )
+                under = autocast_for(precision)
                 with torch.no_grad(), under():
                     kernel = packed_logprobs(model, mb)[0]
                     with torch_chunks():
@@ -260,12 +258,19 @@ def section_logprobs(args: argparse.Namespace) -> None:
                     "plain": _under(under, packed_step(model, samples, plain_logprobs)[0]),
                 }
                 times = timed(steps, args.warmup, args.reps)
-                print(
-                    f"| {name} | {num_groups} | {precision} | {mb['token_index'].numel()} | {diff:.1e} | "
-                    f"{times['kernel'] * 1e3:.1f} | {times['chunks'] * 1e3:.1f} | {times['plain'] * 1e3:.1f} | "
-                    f"{times['chunks'] / times['kernel']:.2f}x |",
-                    flush=True,
-                )
+                milliseconds = [f"{times[kind] * 1e3:.1f}" for kind in steps]
+                ratio = f"{times['chunks'] / times['kernel']:.2f}x"
+                table_row(name, num_groups, precision, mb["token_index"].numel(), f"{diff:.1e}", *milliseconds, ratio)
+
+
+def table_row(*cells: object) -> None:
+    """One row of a section's Markdown table, printed as soon as it is measured."""
+    print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
+def autocast_for(precision: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """A maker of the context a step runs under in `precision`: CPU bf16 autocast for "bf16-mixed", else off."""
+    return functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
 
 
 @contextlib.contextmanager
@@ -301,9 +306,7 @@ def section_compile(args: argparse.Namespace) -> None:
         for num_groups in args.groups:
             samples = make_samples(num_groups, eager.config.vocab_size)
             for precision in args.precisions:
-                under = functools.partial(
-                    torch.autocast, "cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"
-                )
+                under = autocast_for(precision)
                 start = time.perf_counter()
                 with under():
                     diff = _loss_difference(compiled, eager, samples)
@@ -313,12 +316,9 @@ def section_compile(args: argparse.Namespace) -> None:
                     for kind, model in (("compiled", compiled), ("eager", eager))
                 }
                 times = timed(steps, args.warmup, args.reps)
-                print(
-                    f"| {name} | {num_groups} | {precision} | {diff:.1e} | {first:.1f} | "
-                    f"{times['compiled'] * 1e3:.1f} | {times['eager'] * 1e3:.1f} | "
-                    f"{times['eager'] / times['compiled']:.2f}x |",
-                    flush=True,
-                )
+                milliseconds = [f"{times[kind] * 1e3:.1f}" for kind in steps]
+                ratio = f"{times['eager'] / times['compiled']:.2f}x"
+                table_row(name, num_groups, precision, f"{diff:.1e}", f"{first:.1f}", *milliseconds, ratio)
 
 
 def section_heap(args: argparse.Namespace) -> None:
@@ -336,9 +336,7 @@ def section_heap(args: argparse.Namespace) -> None:
         for num_groups in args.groups:
             samples = make_samples(num_groups, model.config.vocab_size)
             for precision in args.precisions:
-                under = functools.partial(
-                    torch.autocast, "cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"
-                )
+                under = autocast_for(precision)
                 step = _under(under, packed_step(model, samples)[0])
                 times, kept, defaults = _heap_runs(heap, step, args.warmup, args.reps)
                 print(
