@@ -96,11 +96,12 @@ def _use_kernel(logits: torch.Tensor, labels: torch.Tensor, kernel: bool | None)
     """Whether the C kernel computes these logits (see `selected_logprobs`' `kernel`)."""
     if kernel is False:
         return False
-    why = _load()[1]
-    if why is None and not (logits.device.type == "cpu" and logits.dtype in _KERNEL_DTYPES):
+    if not (logits.device.type == "cpu" and logits.dtype in _KERNEL_DTYPES):  # checked first: no build on a GPU
         why = f"it takes float32 or bf16 logits on a CPU, not {logits.dtype} on {logits.device}"
-    if why is None and logits.shape[1] > 1 and logits.stride(-1) != 1:
+    elif logits.shape[1] > 1 and logits.stride(-1) != 1:
         why = f"it takes logits whose rows are contiguous, not strides {tuple(logits.stride())}"
+    else:
+        why = _load()[1]
     if why is not None and kernel:
         raise RuntimeError(f"selected_logprobs(kernel=True): the C kernel cannot run: {why}. Pass kernel=None.")
     if why is None and labels.numel() and not (int(labels.min()) >= 0 and int(labels.max()) < logits.shape[1]):

@@ -307,3 +307,11 @@ def test_switched_off_the_kernel_says_why_and_torch_computes(monkeypatch):
     finally:
         monkeypatch.undo()
         selected_logprobs_module._load.cache_clear()
+
+
+def test_logits_the_kernel_does_not_take_never_build_it(monkeypatch):
+    """float64 logits (as logits on an accelerator) go to torch's chunks without the kernel being built or loaded."""
+    monkeypatch.setattr(selected_logprobs_module, "_load", lambda: pytest.fail("the kernel was loaded"))
+    logits, labels, _ = random_case(3, torch.float64, seed=10)
+    logprobs, _ = selected_logprobs(logits, labels, 0.7)
+    torch.testing.assert_close(logprobs, plain(logits, labels, 0.7)[0].double(), rtol=1e-6, atol=1e-6)
