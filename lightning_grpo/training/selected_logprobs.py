@@ -96,6 +96,7 @@ def _use_kernel(logits: torch.Tensor, labels: torch.Tensor, kernel: bool | None)
     """Whether the C kernel computes these logits (see `selected_logprobs`' `kernel`)."""
     if kernel is False:
         return False
+    why: str | None
     if not (logits.device.type == "cpu" and logits.dtype in _KERNEL_DTYPES):  # checked first: no build on a GPU
         why = f"it takes float32 or bf16 logits on a CPU, not {logits.dtype} on {logits.device}"
     elif logits.shape[1] > 1 and logits.stride(-1) != 1:
