@@ -13,7 +13,6 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "simd.h"
 #include "split_threads.h"

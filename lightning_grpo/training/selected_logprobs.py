@@ -79,6 +79,8 @@ def selected_logprobs(
     if chunk_rows < 1:
         raise ValueError(f"`chunk_rows={chunk_rows}` must be at least 1.")
     use_kernel = _use_kernel(logits, labels, kernel)
+    if use_kernel:  # the kernel reads int64 ids in one block; forward and backward share this copy
+        labels = labels.to(torch.int64).contiguous()
     if torch.is_grad_enabled() and logits.requires_grad:
         logprobs, entropy = _SelectedLogprobs.apply(logits, labels, float(temperature), chunk_rows, use_kernel)
         return logprobs, entropy
@@ -231,11 +233,10 @@ def _backward(
 def _kernel_forward(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float, _chunk_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_forward`'s `(logprobs, entropy, log_norm)` from the C kernel."""
+    """`_forward`'s `(logprobs, entropy, log_norm)` from the C kernel (`labels` contiguous int64)."""
     functions = _kernel()
     rows, vocab = logits.shape
     logprobs, entropy, log_norm = (torch.empty(rows, dtype=torch.float32) for _ in range(3))
-    labels = labels.to(torch.int64).contiguous()
     functions["logprob_rows_forward"](
         logits.data_ptr(), rows, vocab, logits.stride(0), int(logits.dtype == torch.bfloat16), temperature,
         labels.data_ptr(), logprobs.data_ptr(), entropy.data_ptr(), log_norm.data_ptr(), torch.get_num_threads(),
@@ -251,12 +252,11 @@ def _kernel_backward(
     temperature: float,
     _chunk_rows: int,
 ) -> torch.Tensor:
-    """`_backward`'s gradient, like `logits`, from the C kernel."""
+    """`_backward`'s gradient, like `logits`, from the C kernel (`labels` contiguous int64)."""
     functions = _kernel()
     rows, vocab = logits.shape
     out = torch.empty(rows, vocab, dtype=logits.dtype)
     grad = grad.to(torch.float32).contiguous()
-    labels = labels.to(torch.int64).contiguous()
     functions["logprob_rows_backward"](
         logits.data_ptr(), rows, vocab, logits.stride(0), int(logits.dtype == torch.bfloat16), temperature,
         labels.data_ptr(), log_norm.data_ptr(), grad.data_ptr(), out.data_ptr(), torch.get_num_threads(),

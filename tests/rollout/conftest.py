@@ -6,13 +6,14 @@ import functools
 
 import pytest
 import torch
+from helpers.vector_builds import BUILDS
+from helpers.vector_builds import vector_build as each_build
 
 from lightning_grpo.rollout import (
     cdf_draw,
     decode_attention,
     fused_decode,
     layer_ops,
-    native_build,
     small_matmul,
     tile_matmul,
 )
@@ -33,18 +34,12 @@ def fresh_kernel_state(monkeypatch):
     _clear_kernels()
 
 
-@pytest.fixture(params=["native", "avx2"])
+@pytest.fixture(params=BUILDS)
 def vector_build(request, monkeypatch):
     """The kernels as built for this CPU (AVX-512's 16 lanes where torch runs AVX-512), then their AVX2 build: both
     paths are checked on an AVX-512 machine."""
-    if request.param == "avx2":
-        if native_build.vector_isa() != "AVX512":
-            pytest.skip("the native build is the AVX2 one here")
-        monkeypatch.setattr(native_build, "vector_isa", lambda: "AVX2")
-    _clear_kernels()
-    yield request.param
-    monkeypatch.undo()
-    _clear_kernels()
+    with each_build(request.param, monkeypatch, _clear_kernels):
+        yield request.param
 
 
 @pytest.fixture

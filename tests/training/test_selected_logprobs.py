@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.tiny import micro_batch, shared_prompt_group
+from helpers.vector_builds import BUILDS, vector_build
 
 from lightning_grpo.models import tiny_llama
-from lightning_grpo.rollout import native_build
 from lightning_grpo.training import selected_logprobs as selected_logprobs_module
 from lightning_grpo.training.attention import tree_model_kwargs, use_tree_attention
 from lightning_grpo.training.loss import packed_logprobs
@@ -196,19 +196,13 @@ def test_packed_logprobs_equals_the_plain_formula_on_the_models_logits_with_the_
 # -- the C kernel ------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["native", "avx2"])
+@pytest.fixture(params=BUILDS)
 def kernel_build(request, monkeypatch):
     """The kernel as built for this CPU (AVX-512's 16 lanes where torch runs AVX-512), then its AVX2 build; a CPU
     where it cannot run fails the test (the suite's machines all run it)."""
-    if request.param == "avx2":
-        if native_build.vector_isa() != "AVX512":
-            pytest.skip("the native build is the AVX2 one here")
-        monkeypatch.setattr(native_build, "vector_isa", lambda: "AVX2")
-    selected_logprobs_module._load.cache_clear()
-    assert kernel_unavailable_reason() is None
-    yield request.param
-    monkeypatch.undo()
-    selected_logprobs_module._load.cache_clear()
+    with vector_build(request.param, monkeypatch, selected_logprobs_module._load.cache_clear):
+        assert kernel_unavailable_reason() is None
+        yield request.param
 
 
 def assert_kernel_matches_chunks(logits, labels, upstream, temperature):
