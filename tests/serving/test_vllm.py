@@ -233,9 +233,10 @@ def test_weight_push_makes_the_next_completions_follow_the_new_weights_including
 def test_push_while_requests_are_in_flight_loses_none_and_each_token_matches_the_weights_that_sampled_it(
     vllm_server, transfer
 ):
-    """A round sends 12 long requests and pushes new weights once every request is decoding. On a busy machine the
-    server's API process, which counts the tokens and answers, can lag its engine so far that the engine has finished
-    every request before the push: such a round shows nothing, so up to 3 rounds run (each one's tokens checked)."""
+    """A round sends 12 long requests and pushes new weights once the server counts tokens generated. On a busy machine
+    the server's API process, which counts the tokens and answers, can lag its engine so far that the engine has
+    finished some or all requests before the push: such a round may show no switch, so up to 5 rounds run (each one's
+    tokens checked) until one does."""
     old, new = tiny_llama(seed=0), tiny_llama(seed=1)
     prompts_ids = [[2, 40 + i, 41 + i, 42 + i, 3, 2] for i in range(12)]
     max_tokens = 1000  # as long as max_model_len allows, so the requests outlast the push on a busy machine
@@ -253,8 +254,8 @@ def test_push_while_requests_are_in_flight_loses_none_and_each_token_matches_the
         with ThreadPoolExecutor(len(prompts_ids)) as pool:
             futures = [pool.submit(complete, vllm_server.url, p, max_tokens, 1.0, ignore_eos=True) for p in prompts_ids]
             deadline = time.monotonic() + 120
-            while generated_tokens() - before < 12 * 20:  # every request is decoding
-                assert time.monotonic() < deadline and not any(f.done() for f in futures)
+            while generated_tokens() - before < len(prompts_ids) and not any(f.done() for f in futures):
+                assert time.monotonic() < deadline, "the server generated no tokens in 120 s"
                 time.sleep(0.05)
             push_started = time.monotonic()
             push(transfer, new, version=version)
@@ -281,7 +282,7 @@ def test_push_while_requests_are_in_flight_loses_none_and_each_token_matches_the
         )
 
     rounds = []
-    for version in (2, 4, 6):
+    for version in (2, 4, 6, 8, 10):
         switched, when = push_during_requests(version)
         rounds.append(when)
         if switched:
