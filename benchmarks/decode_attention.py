@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import common  # noqa: I001  (first: sets the offline environment before torch and TRL load)
@@ -59,17 +57,6 @@ def reference(q, k, v, keys, values, length: int, scale: float) -> torch.Tensor:
     return torch.einsum("rhj,rhjd->rhd", scores.softmax(-1), values)
 
 
-def seconds(run, reps: int) -> float:
-    """Median seconds of `run()` over `reps` runs after one warm-up."""
-    run()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def kernel_case(args: argparse.Namespace, own: int, group: int, capacity: int) -> tuple[float, float]:
     """(seconds a step, worst |kernel - float64|) of the kernel over every layer's cache."""
     length = args.prefix + own
@@ -91,13 +78,13 @@ def kernel_case(args: argparse.Namespace, own: int, group: int, capacity: int) -
         for keys, values in layers:
             decode_attention.attend(q, k, v, keys, values, lengths, scale=scale, groups=groups)
 
-    return seconds(step, args.reps), error
+    return common.median_seconds(step, warmup=1, reps=args.reps), error
 
 
 def contiguous_s(args: argparse.Namespace, nbytes: int) -> float:
     """Seconds to sum, once per layer, a contiguous bf16 tensor of `nbytes` (each layer its own)."""
     tensors = [torch.randn(nbytes // 2).bfloat16() for _ in range(args.layers)]
-    return seconds(lambda: [t.sum() for t in tensors], args.reps)
+    return common.median_seconds(lambda: [t.sum() for t in tensors], warmup=1, reps=args.reps)
 
 
 def run(args: argparse.Namespace) -> dict:
