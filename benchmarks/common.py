@@ -40,8 +40,14 @@ def machine() -> str:
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
+#: The /proc/cpuinfo fields that name a CPU's generation, under the keys `cpu()` records them as.
+_CPU_NUMBERS = {"family": "cpu family", "model_number": "model"}
+
+
 def cpu() -> dict[str, Any]:
-    """The processor's model name, its cores and the flags in `CPU_FLAGS` it has (Linux's /proc/cpuinfo)."""
+    """The processor's model name, its cores, the flags in `CPU_FLAGS` it has and, where Linux's /proc/cpuinfo gives
+    them, its family and model numbers: a VM often names every AMD host "AMD EPYC", and the numbers tell the
+    generations apart (family 25, model 17 is Zen 4; family 26 is Zen 5)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -53,6 +59,7 @@ def cpu() -> dict[str, Any]:
         "model": fields.get("model name") or platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "flags": [flag for flag in CPU_FLAGS if flag in flags],
+        **{name: int(fields[key]) for name, key in _CPU_NUMBERS.items() if fields.get(key, "").isdigit()},
     }
 
 

@@ -29,8 +29,9 @@ RACE = "race-staleness/learning_race.json"
 #: One learning race per CPU kind measured (each names its machine): Intel Xeon with AMX, AMD EPYC with AVX-512 BF16.
 RACES = ("race-amx7/learning_race.json", RACE)
 ROOFLINE = "roofline.json"
-#: One roofline per CPU kind measured (each names its machine): Intel Xeon with AMX, AMD EPYC with AVX-512 BF16.
-ROOFLINES = ("roofline-amx.json", ROOFLINE)
+#: One roofline per CPU kind measured (each names its machine): Intel Xeon with AMX, AMD EPYC Zen 4, and an AMD
+#: EPYC with full-width AVX-512 BF16.
+ROOFLINES = ("roofline-amx.json", "roofline-zen4.json", ROOFLINE)
 SCALING = "scaling.json"
 GENERIC = "generic_generation.json"
 #: A marker pair and what it holds; the opening marker's argument is the view and its optional file.
@@ -58,10 +59,21 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 # -- provenance -------------------------------------------------------------------------------------------------------
 
 
+def cpu_numbers(machine: dict[str, Any]) -> list[str]:
+    """`["family 25, model 17"]` where the run recorded the CPU's family and model numbers (a VM names AMD hosts of
+    different generations alike), else `[]`."""
+    return [f"family {machine['family']}, model {machine['model_number']}"] if "family" in machine else []
+
+
+def cpu_name(machine: dict[str, Any]) -> str:
+    """`AMD EPYC (family 25, model 17)`: the CPU's model name and its numbers where the run recorded them."""
+    return " ".join([machine["model"], *(f"({numbers})" for numbers in cpu_numbers(machine))])
+
+
 def machine_text(machine: dict[str, Any]) -> str:
-    """`AMD EPYC, 2 cores (avx2, avx512_bf16)`: the CPU model, its cores and its kernel-deciding flags."""
+    """`AMD EPYC (family 25, model 17), 2 cores (avx2, avx512_bf16)`: the CPU, its cores, its kernel-deciding flags."""
     flags = ", ".join(machine.get("flags", [])) or "no AVX2"
-    return f"{machine['model']}, {machine['cores']} cores ({flags})"
+    return f"{cpu_name(machine)}, {machine['cores']} cores ({flags})"
 
 
 def _provenances(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -86,10 +98,10 @@ def provenance(data: dict[str, Any]) -> str:
 
 
 def short_machine(data: dict[str, Any]) -> str:
-    """The first run's machine in a few words: `2-core AMD EPYC (avx512_bf16)`."""
+    """The first run's machine in a few words: `2-core AMD EPYC (family 25, model 17; avx512_bf16)`."""
     machine = _provenances(data)[0]["machine"]
     flags = [flag for flag in machine.get("flags", []) if "bf16" in flag] or machine.get("flags", [])[:1]
-    return f"{machine['cores']}-core {machine['model']} ({', '.join(flags)})"
+    return f"{machine['cores']}-core {machine['model']} ({'; '.join([*cpu_numbers(machine), ', '.join(flags)])})"
 
 
 # -- the main job -----------------------------------------------------------------------------------------------------

@@ -155,3 +155,13 @@ def test_publishing_a_main_job_run_writes_the_json_and_plot_the_pages_read(tmp_p
     assert written["provenance"]["machine"]["cores"] >= 1
     assert (out / "main_job.png").read_bytes() == b"png"
     assert _results().main_job_sentence(written) == "0.400 → **0.900** in 30 optimizer steps, fit 5.5 min"
+
+
+def test_a_machine_with_its_family_and_model_numbers_is_named_by_them_and_one_without_by_its_name_alone():
+    """Two AMD hosts a VM names alike ("AMD EPYC") are told apart on the pages by the numbers the run recorded."""
+    results = _results()
+    zen4 = {"model": "AMD EPYC", "cores": 2, "flags": ["avx2", "avx512_bf16"], "family": 25, "model_number": 17}
+    assert results.machine_text(zen4) == "AMD EPYC (family 25, model 17), 2 cores (avx2, avx512_bf16)"
+    assert results.short_machine({"provenance": {"machine": zen4}}) == "2-core AMD EPYC (family 25, model 17; avx512_bf16)"
+    older = {key: zen4[key] for key in ("model", "cores", "flags")}
+    assert results.machine_text(older) == "AMD EPYC, 2 cores (avx2, avx512_bf16)"

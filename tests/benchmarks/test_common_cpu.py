@@ -1,0 +1,28 @@
+"""benchmarks/common.py's record of the machine a benchmark ran on, read from this machine's /proc/cpuinfo."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import common  # noqa: E402
+
+CPUINFO = Path("/proc/cpuinfo")
+
+
+@pytest.mark.skipif(not CPUINFO.exists(), reason="needs Linux's /proc/cpuinfo")
+def test_the_record_carries_the_cpus_family_and_model_numbers_as_cpuinfo_gives_them():
+    fields = dict(line.split(":", 1) for line in CPUINFO.read_text().splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    record = common.cpu()
+    if fields.get("cpu family", "").isdigit():
+        assert record["family"] == int(fields["cpu family"]) and record["model_number"] == int(fields["model"])
+    else:  # e.g. an ARM host: no numbers rather than wrong ones
+        assert "family" not in record and "model_number" not in record
+    assert record["model"] == fields.get("model name", record["model"])
+    assert set(record["flags"]) <= set(common.CPU_FLAGS)
