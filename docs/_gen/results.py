@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
 MAIN_JOB = "main_job.json"
 RACE = "race-staleness/learning_race.json"
-#: One learning race per CPU kind measured (each names its machine): Intel Xeon with AMX, AMD EPYC with AVX-512 BF16.
-RACES = ("race-amx7/learning_race.json", RACE)
+#: One learning race per CPU kind measured (each names its machine): Intel Xeon with AMX, AMD EPYC Zen 4, and an AMD
+#: EPYC with full-width AVX-512 BF16.
+RACES = ("race-amx7/learning_race.json", "race-zen4/learning_race.json", RACE)
 ROOFLINE = "roofline.json"
 #: One roofline per CPU kind measured (each names its machine): Intel Xeon with AMX, AMD EPYC Zen 4, and an AMD
 #: EPYC with full-width AVX-512 BF16.
