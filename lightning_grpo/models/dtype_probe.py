@@ -10,8 +10,8 @@ small-batch kernel, `rollout.decode_linears.decode_product`), and a training mic
 of 2,048 tokens through the same layer as the trainer runs it (torch's `linear`), in about half a second. It says
 which dtype won at the generator's shape, by how much at each shape and why. The verdict is cached in
 `<cache>/precision/` (`$LIGHTNING_GRPO_CACHE`, else `~/.cache/lightning_grpo`) under a key made of the CPU model,
-its flags, torch's version and CPU capability, so a process on the same machine and torch reads it back in
-microseconds and a new CPU or torch probes again.
+its flags, torch's version and CPU capability, and the caps on instructions set in the environment (`ISA_CAPS`),
+so a process on the same machine and torch reads it back in microseconds and a new CPU or torch probes again.
 
     >>> verdict = probe_matmul_precision()
     >>> verdict.dtype, verdict.reason  # doctest: +SKIP
@@ -20,6 +20,9 @@ microseconds and a new CPU or torch probes again.
 `GRPODataModule(generator_dtype="auto")` (the default) runs the embedded generator in the verdict's dtype
 (`resolve_generator_dtype`), and `AutoPrecision` (the `lightning-grpo` command's default precision) trains in
 bf16-mixed where it says bf16. The learning race (`benchmarks/learning.py`) checks that bf16 learns as well as fp32.
+
+A newer CPU runs as an AVX2-only one under `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` (torch's and
+oneDNN's AVX2 code, bf16 through fp32 conversions): the probe then chooses fp32, and its reason names the caps.
 
 `LIGHTNING_GRPO_PRECISION=float32` (or `bfloat16`) in the environment sets the verdict without probing: the same
 choice on every node of a cluster whose machines differ, or fp32 everywhere for bit-for-bit comparisons.
@@ -49,6 +52,7 @@ __all__ = [
     "PrecisionVerdict",
     "best_matmul_gflops",
     "cpu_signature",
+    "isa_caps",
     "matmul_gflops",
     "probe_matmul_precision",
     "resolve_generator_dtype",
@@ -63,6 +67,8 @@ TRAIN_SHAPE = (2048, 576, 1536)
 MIN_SPEEDUP = 1.2
 #: Bumped when the probe itself changes, so that verdicts of an older probe are not read back.
 PROBE_VERSION = 3
+#: Environment variables that cap the instructions torch's kernels (ATen) and oneDNN's use below the CPU's best.
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 #: /proc/cpuinfo flags that decide bf16 speed, strongest first, with the name the reason gives them.
 _BF16_FLAGS = {"amx_bf16": "AMX_BF16", "avx512_bf16": "AVX512_BF16", "bf16": "BF16"}  # "bf16": Arm's Features
 DType = Literal["float32", "bfloat16"]
@@ -115,7 +121,8 @@ class PrecisionVerdict:
 
 def cpu_signature() -> dict[str, str]:
     """What the verdict depends on: the CPU model and flags (from /proc/cpuinfo; elsewhere the platform's processor
-    name and no flags), torch's version and the CPU capability its kernels were dispatched to."""
+    name and no flags), torch's version, the CPU capability its kernels were dispatched to and, where set, the
+    environment's caps on the instructions torch and oneDNN use (`isa_caps`)."""
     model, flags = "", ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -133,7 +140,15 @@ def cpu_signature() -> dict[str, str]:
         "torch": torch.__version__,
         "capability": torch.backends.cpu.get_cpu_capability(),
         "probe": str(PROBE_VERSION),
+        **({"isa_caps": caps} if (caps := isa_caps()) else {}),
     }
+
+
+def isa_caps() -> str:
+    """The environment's caps on the instructions torch and oneDNN use (`ISA_CAPS`), as `NAME=value` words ("" when
+    none is set): `ONEDNN_MAX_CPU_ISA=AVX2` makes a CPU with bf16 instructions multiply bf16 as an AVX2-only one does,
+    so a verdict measured under a cap does not hold without it, nor the other way round."""
+    return " ".join(f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name))
 
 
 def matmul_gflops(
@@ -233,7 +248,7 @@ def _measure(signature: dict[str, str], key: str, decode_product: DecodeProduct 
     hardware = next((label for flag, label in _BF16_FLAGS.items() if flag in flags), "")
     speedup = bf16 / fp32
     dtype: DType = "bfloat16" if speedup >= MIN_SPEEDUP else "float32"
-    reason = _reason(speedup, hardware, train_bf16 / train_fp32)
+    reason = _reason(speedup, hardware, train_bf16 / train_fp32, signature.get("isa_caps", ""))
     return PrecisionVerdict(dtype, speedup, fp32, bf16, hardware, reason, key, False, train_fp32, train_bf16)
 
 
@@ -256,8 +271,8 @@ def best_matmul_gflops(
     return max(speeds)
 
 
-def _reason(speedup: float, hardware: str, train_speedup: float) -> str:
-    why = hardware or "no bf16 hardware"
+def _reason(speedup: float, hardware: str, train_speedup: float, caps: str = "") -> str:
+    why = (hardware or "no bf16 hardware") + (f", under {caps}" if caps else "")
     training = f"{train_speedup:.1f}x" if train_speedup >= 1.0 else f"{1 / train_speedup:.1f}x slower"
     shapes = f"here at decode products, {training} at training products ({why})"
     if speedup >= MIN_SPEEDUP:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from ..models.packed_matmul import packing_available
 from . import decode_attention, fused_decode, layer_ops
 from .architectures import ARCHITECTURES, LayerPlan, Scalars, architecture_of, layer_plans, scalars_of
 from .decode_linears import PACK_MIN_NUMEL, Linear, Separate, Split, Stacked, int8_refusal, projections
@@ -162,8 +163,9 @@ class SlotDecoder:
 
     Args:
         model: a causal LM of a supported type (`check_supported`), in eval mode.
-        packed: run linear layers on weights laid out once (`decode_linears.packed_product`; pass
-            `models.packed_matmul.packing_available(dtype)`): in fp32 a large LM head (the small-batch kernel takes
+        packed: run linear layers on weights laid out once (`decode_linears.packed_product`) where
+            `models.packed_matmul.packing_available(dtype)` (else as False: a CPU without bf16 kernels, such as an
+            AVX2-only one, has no packed bf16 products): in fp32 a large LM head (the small-batch kernel takes
             the layers' few rows), in bf16 every linear layer (AMX tiles or oneDNN's packed bf16 products beat the
             plain ones at every row count), the projections that read the same input stacked; call `repack()` after
             the model's weights change.
@@ -175,6 +177,7 @@ class SlotDecoder:
 
     def __init__(self, model: PreTrainedModel, packed: bool = False, int8_weights: bool = False) -> None:
         config = model.config
+        packed = packed and packing_available(model.dtype)
         scalars = scalars_of(config)
         base = model.model
         self._norm, self._rotary = base.norm, base.rotary_emb

@@ -158,7 +158,10 @@ def build(source: Path, wide: bool = False, extra: tuple[str, ...] = ()) -> Path
     os.close(handle)
     try:
         done = subprocess.run(
-            [cc, *options, f"-I{HEADERS}", str(source), "-o", partial, "-lm"], capture_output=True, text=True, timeout=120
+            [cc, *options, f"-I{HEADERS}", str(source), "-o", partial, "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         if done.returncode != 0:
             raise OSError(f"{cc} exited {done.returncode}: {done.stderr.strip()[-500:]}")

@@ -162,6 +162,8 @@ def test_a_machine_with_its_family_and_model_numbers_is_named_by_them_and_one_wi
     results = _results()
     zen4 = {"model": "AMD EPYC", "cores": 2, "flags": ["avx2", "avx512_bf16"], "family": 25, "model_number": 17}
     assert results.machine_text(zen4) == "AMD EPYC (family 25, model 17), 2 cores (avx2, avx512_bf16)"
-    assert results.short_machine({"provenance": {"machine": zen4}}) == "2-core AMD EPYC (family 25, model 17; avx512_bf16)"
+    assert (
+        results.short_machine({"provenance": {"machine": zen4}}) == "2-core AMD EPYC (family 25, model 17; avx512_bf16)"
+    )
     older = {key: zen4[key] for key in ("model", "cores", "flags")}
     assert results.machine_text(older) == "AMD EPYC, 2 cores (avx2, avx512_bf16)"

@@ -124,6 +124,28 @@ def test_another_cpu_or_torch_probes_again_under_its_own_key(tmp_path, monkeypat
     assert len(list(tmp_path.glob("*.json"))) == 4
 
 
+def test_a_cap_on_the_instructions_keys_its_own_verdict_and_is_named_in_the_reason(tmp_path, monkeypatch):
+    """A verdict measured under `ONEDNN_MAX_CPU_ISA=AVX2` (bf16 emulated, as on an AVX2-only CPU) is not read back
+    without the cap, nor the other way round. The speeds are faked: the cap only acts when the process starts (the
+    real one is measured in tests/training/test_default_precision_fit.py)."""
+    for name in dtype_probe.ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    uncapped = probe_matmul_precision(tmp_path)
+    assert "under" not in uncapped.reason and "isa_caps" not in dtype_probe.cpu_signature()
+
+    def emulated_bf16(rows, inner, outer, dtype, *, min_seconds=0.02, min_reps=3, packed=False, product=None):
+        return 100.0 if dtype == torch.float32 else 20.0
+
+    monkeypatch.setattr(dtype_probe, "matmul_gflops", emulated_bf16)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    capped = probe_matmul_precision(tmp_path)
+    assert not capped.from_cache and capped.key != uncapped.key and capped.dtype == "float32"
+    assert capped.reason.startswith("bf16 5.0x slower than fp32 here at decode products, 5.0x slower at training")
+    assert capped.reason.endswith(", under ONEDNN_MAX_CPU_ISA=AVX2)")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert probe_matmul_precision(tmp_path).key == uncapped.key
+
+
 def test_a_damaged_cache_file_or_refresh_probes_again(tmp_path):
     verdict = probe_matmul_precision(tmp_path)
     path = tmp_path / f"{verdict.key}.json"

@@ -1,9 +1,11 @@
-"""The default path on a CPU with fast bf16: `lightning-grpo fit` with no precision given trains in bf16-mixed
-(`AutoPrecision`) beside a bf16 embedded generator (`generator_dtype="auto"`), as the probe decides on this machine.
+"""The default paths: `lightning-grpo fit` with no precision given, as the probe decides on the CPU it runs on.
 
-The rest of the suite pins fp32 (`LIGHTNING_GRPO_PRECISION=float32`, tests/conftest.py) so that what it asserts holds
-on every CPU; this test unpins it and runs a real fit at what a user gets. Skipped, with the probe's reason, on a CPU
-where bf16 products are not faster (AVX2 only), where the defaults are the fp32 path the rest of the suite runs.
+On a CPU with fast bf16 it trains in bf16-mixed (`AutoPrecision`) beside a bf16 embedded generator
+(`generator_dtype="auto"`). The rest of the suite pins fp32 (`LIGHTNING_GRPO_PRECISION=float32`, tests/conftest.py) so
+that what it asserts holds on every CPU; these tests unpin it and run real fits at what a user gets. The bf16 one is
+skipped, with the probe's reason, on a CPU where bf16 products are not faster (AVX2 only). The AVX2-only path runs on
+every x86 CPU with AVX2: in a process whose torch and oneDNN are capped to their AVX2 code (`ATEN_CPU_CAPABILITY`,
+`ONEDNN_MAX_CPU_ISA`), which multiplies bf16 through fp32 conversions as an AVX2-only CPU does.
 
 Every trained sample's logprobs are checked against a bf16 teacher-forced forward of the weights that sampled it: its
 version's, or, where a push landed while it was being sampled, its version's up to that token and the pushed version's
@@ -13,6 +15,10 @@ after, over the cache the older weights computed (what the embedded generator do
 from __future__ import annotations
 
 import copy
+import os
+import platform
+import subprocess
+import sys
 from importlib.resources import files
 
 import lightning.pytorch as pl
@@ -132,3 +138,45 @@ def test_the_default_fit_on_a_fast_bf16_cpu_trains_bf16_mixed_and_samples_by_bf1
     errors = [sampling_error(sample, recorder.policies, temperature) for sample in recorder.samples]
     worst, explanation = max(errors)
     assert worst <= BF16_TOLERANCE, f"bf16 generator vs bf16 forward: {worst:.3g} > {BF16_TOLERANCE} ({explanation})"
+
+
+#: What the AVX2-only fit runs in its own process: the CLI's fit, with the start-up log on stdout, then what it chose.
+AVX2_FIT = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+from lightning_grpo.cli import cli
+command = cli(sys.argv[1:], run=False)
+command.trainer.fit(command.model, datamodule=command.datamodule)
+progress = command.datamodule.progress
+print("CHOSEN", command.trainer.precision_plugin.precision, command.trainer.global_step)
+print("CONSUMED", len(progress.consumed), progress.trained_total + sum(progress.dropped.values()))
+"""
+#: The caps that make torch (ATen's kernels) and oneDNN run the code they run on an AVX2-only CPU.
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() == "DEFAULT",
+    reason="the AVX2-only path runs on an x86 CPU with AVX2",
+)
+@pytest.mark.timeout(300)
+def test_the_default_fit_on_an_avx2_only_cpu_trains_32_true_beside_a_float32_generator(tmp_path, no_leaked_processes):
+    """Emulated: torch and oneDNN capped to their AVX2 code on this CPU (on an AVX2-only CPU the caps change nothing).
+    The real probe then measures bf16 products slower than fp32, so the defaults train in 32-true beside a float32
+    generator, the reason naming the caps, and the fit runs every group on AVX2 kernels (the native ones built so)."""
+    env = {key: value for key, value in os.environ.items() if key != "LIGHTNING_GRPO_PRECISION"}
+    env |= AVX2_CAPS | {"LIGHTNING_GRPO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    overrides = {"logger": "false", "limit_val_batches": "0", "enable_progress_bar": "false"}
+    args = ["--config", SMOKE, *(f"--trainer.{key}={value}" for key, value in overrides.items())]
+    run = subprocess.run(
+        [sys.executable, "-c", AVX2_FIT, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    caps = "under ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2"
+    assert "AutoPrecision: training in 32-true (bf16 " in output and f"{caps})" in output, output[-3000:]
+    assert "x slower than fp32 here at decode products" in output
+    assert "The embedded generator samples in float32: generator_dtype='auto': bf16 " in output
+    chosen = next(line.split() for line in output.splitlines() if line.startswith("CHOSEN"))
+    assert chosen[1] == "32-true" and int(chosen[2]) >= 1
+    assert "CONSUMED 8 8" in output

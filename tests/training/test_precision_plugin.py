@@ -63,12 +63,15 @@ def test_choose_precision_follows_the_probe_on_cpu(probed):
 
 def bf16_hardware_verdict() -> str | None:
     """The precision torch's own CPU feature checks imply, without timing anything: "bf16-mixed" with AMX or
-    AVX512_BF16 (bf16 products several times faster than fp32), "32-true" on an x86 CPU whose best kernels are AVX2 or
-    older (bf16 emulated through fp32 conversions), None where the flags do not settle it (AVX512 without bf16, Arm)."""
-    if getattr(torch.cpu, "_is_amx_tile_supported", bool)() or getattr(torch.cpu, "_is_avx512_bf16_supported", bool)():
+    AVX512_BF16 that oneDNN uses (bf16 products several times faster than fp32), "32-true" on an x86 CPU where oneDNN
+    has no bf16 kernels (AVX2 only, or capped to it by `ONEDNN_MAX_CPU_ISA`: bf16 emulated through fp32 conversions),
+    None where the flags do not settle it (AVX512 without bf16, Arm)."""
+    onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # False under a cap below AVX-512, as on AVX2
+    bf16_instructions = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()  # CPUID only
+    if onednn_bf16 and bf16_instructions:
         return "bf16-mixed"
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    return "32-true" if x86 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT") else None
+    return "32-true" if x86 and not onednn_bf16 else None
 
 
 def trainer_matmul_speedup(reps: int = 15) -> float:
