@@ -47,7 +47,11 @@ _CPU_NUMBERS = {"family": "cpu family", "model_number": "model"}
 def cpu() -> dict[str, Any]:
     """The processor's model name, its cores, the flags in `CPU_FLAGS` it has and, where Linux's /proc/cpuinfo gives
     them, its family and model numbers: a VM often names every AMD host "AMD EPYC", and the numbers tell the
-    generations apart (family 25, model 17 is Zen 4; family 26 is Zen 5)."""
+    generations apart (family 25, model 17 is Zen 4; family 26 is Zen 5). Where the environment caps the instructions
+    torch and oneDNN use (`ONEDNN_MAX_CPU_ISA=AVX2`: a newer CPU run as an AVX2-only one), `isa_caps` names the caps:
+    the flags then list instructions the run did not use."""
+    from lightning_grpo.models.dtype_probe import isa_caps  # here, not at the top: this module loads before torch
+
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -60,6 +64,7 @@ def cpu() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "flags": [flag for flag in CPU_FLAGS if flag in flags],
         **{name: int(fields[key]) for name, key in _CPU_NUMBERS.items() if fields.get(key, "").isdigit()},
+        **({"isa_caps": caps} if (caps := isa_caps()) else {}),
     }
 
 

@@ -72,9 +72,11 @@ def cpu_name(machine: dict[str, Any]) -> str:
 
 
 def machine_text(machine: dict[str, Any]) -> str:
-    """`AMD EPYC (family 25, model 17), 2 cores (avx2, avx512_bf16)`: the CPU, its cores, its kernel-deciding flags."""
+    """`AMD EPYC (family 25, model 17), 2 cores (avx2, avx512_bf16)`: the CPU, its cores, its kernel-deciding flags,
+    and the caps on the instructions torch and oneDNN used, where the run set them (`run under ONEDNN_MAX_CPU_ISA=...`)."""
     flags = ", ".join(machine.get("flags", [])) or "no AVX2"
-    return f"{cpu_name(machine)}, {machine['cores']} cores ({flags})"
+    caps = f", run under {machine['isa_caps']}" if machine.get("isa_caps") else ""
+    return f"{cpu_name(machine)}, {machine['cores']} cores ({flags}){caps}"
 
 
 def _provenances(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -99,9 +101,12 @@ def provenance(data: dict[str, Any]) -> str:
 
 
 def short_machine(data: dict[str, Any]) -> str:
-    """The first run's machine in a few words: `2-core AMD EPYC (family 25, model 17; avx512_bf16)`."""
+    """The first run's machine in a few words: `2-core AMD EPYC (family 25, model 17; avx512_bf16)`; where the run
+    capped the instructions, the caps instead of the flags (`...; under ONEDNN_MAX_CPU_ISA=AVX2`)."""
     machine = _provenances(data)[0]["machine"]
     flags = [flag for flag in machine.get("flags", []) if "bf16" in flag] or machine.get("flags", [])[:1]
+    if machine.get("isa_caps"):
+        flags = [f"under {machine['isa_caps']}"]
     return f"{machine['cores']}-core {machine['model']} ({'; '.join([*cpu_numbers(machine), ', '.join(flags)])})"
 
 

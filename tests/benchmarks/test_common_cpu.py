@@ -26,3 +26,12 @@ def test_the_record_carries_the_cpus_family_and_model_numbers_as_cpuinfo_gives_t
         assert "family" not in record and "model_number" not in record
     assert record["model"] == fields.get("model name", record["model"])
     assert set(record["flags"]) <= set(common.CPU_FLAGS)
+
+
+def test_the_record_names_the_caps_on_the_instructions_only_where_the_environment_sets_them(monkeypatch):
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    assert "isa_caps" not in common.cpu()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert common.cpu()["isa_caps"] == "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2"

@@ -167,3 +167,18 @@ def test_a_machine_with_its_family_and_model_numbers_is_named_by_them_and_one_wi
     )
     older = {key: zen4[key] for key in ("model", "cores", "flags")}
     assert results.machine_text(older) == "AMD EPYC, 2 cores (avx2, avx512_bf16)"
+
+
+def test_a_run_under_caps_on_the_instructions_says_so_instead_of_its_unused_flags():
+    """A Zen 4 run as an AVX2-only CPU lists bf16 flags it did not use: the pages name the caps it ran under."""
+    results = _results()
+    caps = "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2"
+    capped = {"model": "AMD EPYC", "cores": 2, "flags": ["avx2", "avx512_bf16"], "family": 25, "model_number": 17}
+    capped["isa_caps"] = caps
+    assert (
+        results.machine_text(capped) == f"AMD EPYC (family 25, model 17), 2 cores (avx2, avx512_bf16), run under {caps}"
+    )
+    assert (
+        results.short_machine({"provenance": {"machine": capped}})
+        == f"2-core AMD EPYC (family 25, model 17; under {caps})"
+    )
