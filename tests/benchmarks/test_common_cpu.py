@@ -31,7 +31,10 @@ def test_the_record_carries_the_cpus_family_and_model_numbers_as_cpuinfo_gives_t
 def test_the_record_names_the_caps_on_the_instructions_only_where_the_environment_sets_them(monkeypatch):
     for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
         monkeypatch.delenv(name, raising=False)
-    assert "isa_caps" not in common.cpu()
+    assert "isa_caps" not in common.cpu() and common.provenance("python x.py")["command"] == "python x.py"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert common.cpu()["isa_caps"] == "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2"
+    assert common.provenance("python benchmarks/roofline.py")["command"] == (
+        "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/roofline.py"
+    )  # the command repeats them
