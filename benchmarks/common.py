@@ -71,9 +71,8 @@ def cpu() -> dict[str, Any]:
 def provenance(command: str) -> dict[str, Any]:
     """What a results page states about a run: the `command` (after the caps on the instructions it ran under, as
     the environment assignments that repeat them), the commit, the machine and the date (UTC)."""
-    from lightning_grpo.models.dtype_probe import isa_caps  # here, not at the top: this module loads before torch
-
-    command = f"{caps} {command}" if (caps := isa_caps()) else command
+    machine = cpu()
+    command = f"{machine['isa_caps']} {command}" if "isa_caps" in machine else command
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=ROOT
     )
@@ -82,7 +81,7 @@ def provenance(command: str) -> dict[str, Any]:
         "command": command,
         "commit": commit,
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "machine": cpu(),
+        "machine": machine,
     }
 
 

@@ -320,9 +320,11 @@ def roofline_headline(roofline: dict[str, Any]) -> str:
     """`train step 0.51 of the bf16 peak; bf16 decode at batch 64 0.40`, in the dtype of the run's best peak (the one
     the library picks there: fp32 where bf16 products are slower, as on an AVX2-only CPU)."""
     rows = roofline["rows"]
-    best = "fp32" if any("best peak (fp32)" in r["bound_kind"] for r in rows) else "bf16"
+    best = roofline["peaks"]["best_dtype"]
     train = next(r for r in rows if r["group"] == "train" and r["bound_kind"].startswith(f"compute, {best}"))
-    decode = next(r for r in rows if r["stage"] == f"decode, batch 64, {best}" and r["bound_kind"].startswith("compute"))
+    decode = next(
+        r for r in rows if r["stage"] == f"decode, batch 64, {best}" and r["bound_kind"].startswith("compute")
+    )
     return (
         f"train step **{train['fraction']:.2f}** of the {best} peak; {best} decode at batch 64 "
         f"**{decode['fraction']:.2f}**"

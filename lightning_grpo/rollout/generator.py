@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..models.packed_matmul import packing_available
 from .batching import ContinuousBatch, GenerationOutput, SamplingOptions
 from .decode_linears import QUANTIZATIONS, Quantization
 from .decoder_choice import DecoderName, check_decoder_name, choose_decoder
@@ -247,7 +246,7 @@ class EmbeddedGenerator:
             stop=stops,
             max_rows=max_batch_size,
             rng=rng,
-            packed=packing_available(self._model.dtype),
+            packed=True,  # where oneDNN has packed products for the model's dtype (`SlotDecoder`)
             decoder=GenericDecoder(self._model) if choice.path == "generic" else None,
             int8_weights=quantization == "int8",
         )

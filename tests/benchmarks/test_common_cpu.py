@@ -12,6 +12,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import common  # noqa: E402
 
+from lightning_grpo.models.dtype_probe import ISA_CAPS  # noqa: E402
+
 CPUINFO = Path("/proc/cpuinfo")
 
 
@@ -29,7 +31,7 @@ def test_the_record_carries_the_cpus_family_and_model_numbers_as_cpuinfo_gives_t
 
 
 def test_the_record_names_the_caps_on_the_instructions_only_where_the_environment_sets_them(monkeypatch):
-    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+    for name in ISA_CAPS:
         monkeypatch.delenv(name, raising=False)
     assert "isa_caps" not in common.cpu() and common.provenance("python x.py")["command"] == "python x.py"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
