@@ -51,11 +51,15 @@ def test_ddp_full_pass_without_signal_raises_stall_on_both_ranks(tmp_path):
 @pytest.mark.timeout(300)
 def test_ddp_steps_with_empty_places_train_on_both_ranks(tmp_path):
     """`replace_dropped_groups=False` on 2 ranks (2 groups a step): the even prompts' groups are dropped, so a step may
-    train one group, whose samples are spread over both ranks' rows; both ranks train the same steps to the end."""
+    train one group, whose samples are spread over both ranks' rows; both ranks train the same steps to the end. A
+    group may also arrive stale on a loaded machine: then it is dropped as stale, whatever its signal."""
     code, results = run_fit(tmp_path, "--devices", "2", "--scenario", "empty_places", "--prompts", "8")
     assert code == 0, (tmp_path / "log.txt").read_text()[-3000:]
     assert results[0]["error"] is None and results[1]["error"] is None
-    assert results[0]["steps"] == results[1]["steps"] and results[0]["dropped"] == {"no_signal": 4}
+    dropped = results[0]["dropped"]
+    assert results[0]["steps"] == results[1]["steps"]
+    assert set(dropped) <= {"no_signal", "stale"}, dropped
+    assert 4 - dropped.get("stale", 0) <= dropped.get("no_signal", 0) <= 4, dropped  # the even prompts' 4 drop
     check_each_group_consumed_once(results, 8)
     assert results[0]["ended"] and results[0]["weights"] == results[1]["weights"] != ""
 
